@@ -1,0 +1,39 @@
+# aiinfra-jax. Two commands on a fresh machine:
+#   make train   create .venv, install, train the default tiny model on the embedded corpus, evaluate it
+#   make test    create .venv with the dev extras, run the whole test suite
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+CONFIG ?= configs/tiny.py
+ARGS   ?=
+
+.PHONY: train test install install-dev bench-train bench-kernels clean-venv
+
+$(VENV)/.stamp-base: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e .
+	@touch $@
+
+$(VENV)/.stamp-dev: $(VENV)/.stamp-base
+	$(PY) -m pip install -q -e ".[dev]"
+	@touch $@
+
+install: $(VENV)/.stamp-base
+install-dev: $(VENV)/.stamp-dev
+
+train: $(VENV)/.stamp-base
+	$(PY) train.py --config $(CONFIG) $(ARGS)
+
+# The whole suite; pytest-xdist spreads the test files over the two cores.
+test: $(VENV)/.stamp-dev
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
+
+bench-train: $(VENV)/.stamp-base
+	$(PY) -m aiinfra_jax.eval.bench_train --config $(CONFIG) $(ARGS)
+
+bench-kernels: $(VENV)/.stamp-base
+	$(PY) -m aiinfra_jax.eval.bench_kernels $(ARGS)
+
+clean-venv:
+	rm -rf $(VENV)
