@@ -1,0 +1,6 @@
+"""Token mixers. Importing this package registers the built-in ones ("dense")."""
+
+from . import dense  # noqa: F401  (registers "dense")
+from .dense import DenseAttention
+
+__all__ = ["DenseAttention"]

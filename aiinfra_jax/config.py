@@ -1,0 +1,336 @@
+"""Run configuration: frozen dataclasses for every setting, presets, `--set` overrides, validation.
+
+One dataclass per concern (model, data, optim, mesh, checkpoint, eval, run), composed into `Config`.
+The model and data sections live beside the code they configure (`aiinfra_jax.models.config`,
+`aiinfra_jax.data.config`); this module composes them and owns the machinery:
+
+* `load_config(preset, overrides)`: a preset is a Python file defining `CONFIG` (a `Config`) or
+  `config() -> Config`, or a YAML file holding a nested mapping of the fields it changes from the
+  defaults. Overrides are `section.field=value` strings (`--set model.d_model=256`).
+* Unknown keys, wrong types and inconsistent combinations raise `ConfigError` (a ValueError) naming the
+  key, the value and the valid choices, before anything is compiled.
+* `to_dict` / `from_dict` round-trip a config through JSON (written beside the run's outputs and into
+  every checkpoint).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from aiinfra_jax.data.config import DataConfig
+from aiinfra_jax.models.config import ModelConfig
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the key and the fix."""
+
+
+def _check(cond: bool, key: str, value: Any, why: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}={value!r}: {why}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warm-up and a decay schedule; global-norm clipping; weight-decay mask."""
+
+    lr: float = 1e-3
+    schedule: str = "cosine"  # "cosine" | "linear" | "constant" (after warm-up)
+    warmup_steps: int = 50
+    decay_steps: int = 0  # 0 = decay over run.steps
+    min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # applied to matrices only: never to norms, biases or scalars
+    grad_clip: float = 1.0  # global-norm clipping; 0 = off
+    grad_accum: int = 1  # micro-batches per optimizer step (the global batch is split evenly)
+
+    def __post_init__(self):
+        _check(self.lr > 0, "optim.lr", self.lr, "must be > 0")
+        _check(self.schedule in ("cosine", "linear", "constant"), "optim.schedule", self.schedule,
+               "valid choices: 'cosine', 'linear', 'constant'")
+        _check(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "must be >= 0")
+        _check(self.decay_steps >= 0, "optim.decay_steps", self.decay_steps, "must be >= 0")
+        _check(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", self.min_lr_ratio,
+               "must be in [0, 1]")
+        _check(0 <= self.b1 < 1 and 0 <= self.b2 < 1, "optim.b1/b2", (self.b1, self.b2),
+               "must be in [0, 1)")
+        _check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must be >= 0")
+        _check(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, "must be >= 0 (0 = off)")
+        _check(self.grad_accum >= 1, "optim.grad_accum", self.grad_accum, "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh with axes (data, fsdp, tensor); -1 on one axis means 'all remaining devices'."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    num_devices: int = 0  # 0 = every visible device; n = the first n (tests, debugging)
+    distributed: str = "auto"  # "auto" (initialize when the environment says so) | "on" | "off"
+
+    def __post_init__(self):
+        sizes = {"mesh.data": self.data, "mesh.fsdp": self.fsdp, "mesh.tensor": self.tensor}
+        for key, v in sizes.items():
+            _check(v == -1 or v >= 1, key, v, "must be a positive size or -1 (the rest)")
+        _check(sum(v == -1 for v in sizes.values()) <= 1, "mesh", sizes,
+               "at most one axis may be -1")
+        _check(self.num_devices >= 0, "mesh.num_devices", self.num_devices, "must be >= 0")
+        _check(self.distributed in ("auto", "on", "off"), "mesh.distributed", self.distributed,
+               "valid choices: 'auto', 'on', 'off'")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 200  # steps between saves; 0 = only at the end (and on SIGTERM/Ctrl-C)
+    keep: int = 3  # newest checkpoints kept
+    async_save: bool = True
+
+    def __post_init__(self):
+        _check(self.every >= 0, "checkpoint.every", self.every, "must be >= 0")
+        _check(self.keep >= 1, "checkpoint.keep", self.keep, "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    every: int = 100  # steps between validation passes inside the loop; 0 = only at the end
+    batches: int = 8  # validation batches per in-loop pass
+    final_batches: int = 32  # validation batches for the end-of-run perplexity; 0 = whole split
+    position_buckets: int = 4  # token-position buckets for the per-position perplexity
+
+    def __post_init__(self):
+        for key in ("every", "batches", "final_batches"):
+            v = getattr(self, key)
+            _check(v >= 0, f"eval.{key}", v, "must be >= 0")
+        _check(self.batches >= 1, "eval.batches", self.batches, "must be >= 1")
+        _check(self.position_buckets >= 1, "eval.position_buckets", self.position_buckets,
+               "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    name: str = "tiny"
+    output_dir: str = "runs"  # runs go to output_dir/name (or name-2, name-3, ... see `resume`)
+    steps: int = 600
+    seed: int = 0
+    log_every: int = 10
+    # "auto": resume the newest unfinished run of this name; a finished one is left alone and a new
+    #         run directory (name-2, ...) is started. "never": always a new run directory.
+    #         "require": resume, and fail if there is no checkpoint.
+    resume: str = "auto"
+    run_dir: str = ""  # explicit run directory (overrides output_dir/name and the -2 suffixes)
+    progress: bool = True
+
+    def __post_init__(self):
+        _check(bool(self.name) and "/" not in self.name, "run.name", self.name,
+               "must be a non-empty name without '/'")
+        _check(self.steps >= 1, "run.steps", self.steps, "must be >= 1")
+        _check(self.log_every >= 1, "run.log_every", self.log_every, "must be >= 1")
+        _check(self.resume in ("auto", "never", "require"), "run.resume", self.resume,
+               "valid choices: 'auto', 'never', 'require'")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    optim: OptimConfig = OptimConfig()
+    mesh: MeshConfig = MeshConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    eval: EvalConfig = EvalConfig()
+    run: RunConfig = RunConfig()
+
+    def __post_init__(self):
+        b, acc = self.data.batch_size, self.optim.grad_accum
+        _check(b % acc == 0, "optim.grad_accum", acc,
+               f"must divide data.batch_size={b} (each micro-batch gets batch_size/grad_accum rows)")
+
+
+# ----------------------------------------------------------------------------- (de)serialisation
+
+
+def to_dict(cfg) -> dict:
+    """A JSON-able nested dict (tuples become lists)."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def from_dict(d: dict, cls=Config):
+    """Inverse of `to_dict`, with the same key and type checks as overrides."""
+    return _build(cls, d, prefix="")
+
+
+def _field_types(cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _unknown_key(key: str, valid: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key.rsplit(".", 1)[-1], valid, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return ConfigError(f"unknown config key {key!r}.{hint} Valid keys here: {', '.join(valid)}")
+
+
+def _build(cls, values: dict, prefix: str, base=None):
+    if not isinstance(values, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of fields, got "
+                          f"{type(values).__name__}")
+    types_ = _field_types(cls)
+    kwargs = {}
+    for key, value in values.items():
+        if key not in types_:
+            raise _unknown_key(prefix + key, sorted(types_))
+        kwargs[key] = _coerce(types_[key], value, prefix + key,
+                              getattr(base, key) if base is not None else None)
+    try:
+        return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {e}") from e
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(tp, value, key: str, current=None):
+    """Checks (and, for strings from the command line, parses) `value` against annotation `tp`."""
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key + ".", base=current)
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, key, current)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{key}={value!r}: expected {_type_name(tp)}")
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if isinstance(value, str):
+            value = [v.strip() for v in value.strip("()[]").split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}={value!r}: expected a list ({_type_name(tp)}), e.g. a,b,c")
+        elem = args[0] if args else str
+        return tuple(_coerce(elem, v, f"{key}[{i}]") for i, v in enumerate(value))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0",
+                                                         "no", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        raise ConfigError(f"{key}={value!r}: expected a bool (true/false)")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r}: expected an int")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key}={value!r}: expected an int")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}={value!r}: expected a float")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}={value!r}: expected a string")
+    if tp is Any:
+        return value
+    raise ConfigError(f"{key}: unsupported field type {_type_name(tp)}")
+
+
+# ----------------------------------------------------------------------------- presets, overrides
+
+
+def _nest(overrides: list[str]) -> dict:
+    nested: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. model.d_model=256")
+        key, value = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = nested
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {p!r} is set twice, once as a value")
+        node[parts[-1]] = value.strip()
+    return nested
+
+
+def load_preset(path: str | Path) -> Config:
+    """A preset: a .py file with `CONFIG` or `config()`, or a .yaml/.yml/.json file of changed fields."""
+    path = Path(path)
+    if not path.exists():
+        # `--config configs/tiny` is accepted for configs/tiny.py or configs/tiny.yaml.
+        for suffix in (".py", ".yaml", ".yml", ".json"):
+            if path.with_suffix(suffix).exists():
+                path = path.with_suffix(suffix)
+                break
+        else:
+            presets = sorted(p.name for p in Path("configs").glob("*.*")) if Path("configs").is_dir() else []
+            raise ConfigError(f"config preset {str(path)!r} does not exist"
+                              + (f"; presets in configs/: {', '.join(presets)}" if presets else ""))
+    if path.suffix == ".py":
+        spec = importlib.util.spec_from_file_location(f"aiinfra_preset_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        if hasattr(module, "config"):
+            cfg = module.config()
+        elif hasattr(module, "CONFIG"):
+            cfg = module.CONFIG
+        else:
+            raise ConfigError(f"preset {path}: define CONFIG = Config(...) or def config() -> Config")
+        if not isinstance(cfg, Config):
+            raise ConfigError(f"preset {path}: CONFIG must be an aiinfra_jax.config.Config, got "
+                              f"{type(cfg).__name__}")
+        return cfg
+    if path.suffix in (".yaml", ".yml", ".json"):
+        data = yaml.safe_load(path.read_text()) or {}
+        return _build(Config, data, prefix="", base=Config())
+    raise ConfigError(f"config preset {str(path)!r}: expected a .py, .yaml, .yml or .json file")
+
+
+def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
+    if not overrides:
+        return cfg
+    return _build(Config, _nest(list(overrides)), prefix="", base=cfg)
+
+
+def load_config(preset: str | Path | None = None, overrides=()) -> Config:
+    cfg = load_preset(preset) if preset else Config()
+    return apply_overrides(cfg, overrides)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(to_dict(cfg), indent=2, sort_keys=True) + "\n")

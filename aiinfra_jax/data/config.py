@@ -1,0 +1,125 @@
+"""DataConfig: every setting of the data pipeline (sources, tokenizer, packing, batching).
+
+Shapes produced by the pipeline this config drives: B = batch_size (global batch), T = seq_len.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+LONG_DOCUMENT_MODES = ("split", "error")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Settings of the training / validation data pipeline.
+
+    Attributes:
+      sources: source specs. "embedded" is the default corpus (the Python standard library's .py
+        files and the pydoc topics); any other spec without a registered scheme is a local path to
+        a file or folder (text files such as .txt/.md/.py, .jsonl, .parquet). Registered schemes
+        (``register_source`` in ``aiinfra_jax.data.sources``, e.g. "synthetic:niah") take precedence.
+      weights: mixture weights, one per source (positive); empty means equal weights.
+      text_field: field of a JSONL record / column of a Parquet table that holds the document text.
+      tokenizer: "byte", a path to an HF ``tokenizer.json`` (needs the ``tokenizers`` package) or
+        a path to a tiktoken BPE file (needs the ``tiktoken`` package).
+      seq_len: T, tokens per row.
+      batch_size: B, rows per (global) batch.
+      shuffle_seed: default seed of the document shuffle, the window shuffle and the bin shuffle.
+      val_fraction: fraction of documents in the validation split; a document's split is decided by
+        a stable hash (CRC32) of its id (path relative to the source root, line / row number), so it
+        never depends on the seed, the Python process or the order of listing.
+      long_documents: "split" cuts a document longer than T into consecutive pieces, each its own
+        segment with positions restarting at 0; "error" raises, naming the document and its length.
+      num_workers: grain worker processes (0 = everything in this process, with reader threads).
+    """
+
+    sources: tuple[str, ...] = ("embedded",)
+    weights: tuple[float, ...] = ()
+    text_field: str = "text"
+    tokenizer: str = "byte"
+    seq_len: int = 256
+    batch_size: int = 16
+    shuffle_seed: int = 0
+    val_fraction: float = 0.05
+    long_documents: str = "split"
+    num_workers: int = 0
+
+    def __post_init__(self) -> None:
+        # Config loaders (YAML, --set) may hand in lists; store tuples so the config stays hashable.
+        if isinstance(self.sources, (list, tuple)):
+            object.__setattr__(self, "sources", tuple(self.sources))
+        if isinstance(self.weights, (list, tuple)):
+            object.__setattr__(self, "weights", tuple(self.weights))
+
+        if isinstance(self.sources, str):
+            raise ValueError(
+                f"DataConfig.sources={self.sources!r} must be a tuple of source specs, "
+                f"e.g. ({self.sources!r},)"
+            )
+        if not isinstance(self.sources, tuple) or not self.sources:
+            raise ValueError(
+                f"DataConfig.sources={self.sources!r} must be a non-empty tuple of source specs "
+                "('embedded', a local file/folder path, or a registered scheme like 'synthetic:niah')"
+            )
+        for spec in self.sources:
+            if not isinstance(spec, str) or not spec.strip():
+                raise ValueError(
+                    f"DataConfig.sources contains {spec!r}; every source spec must be a non-empty "
+                    "string ('embedded', a local path, or a registered scheme)"
+                )
+        if self.weights:
+            if len(self.weights) != len(self.sources):
+                raise ValueError(
+                    f"DataConfig.weights={self.weights!r} has {len(self.weights)} entries but there are "
+                    f"{len(self.sources)} sources {self.sources!r}; give one weight per source or () "
+                    "for equal weights"
+                )
+            for w in self.weights:
+                if (
+                    isinstance(w, bool)
+                    or not isinstance(w, (int, float))
+                    or not math.isfinite(w)
+                    or w <= 0
+                ):
+                    raise ValueError(
+                        f"DataConfig.weights={self.weights!r}: every weight must be a finite number "
+                        f"> 0, got {w!r}"
+                    )
+        if not isinstance(self.text_field, str) or not self.text_field:
+            raise ValueError(
+                f"DataConfig.text_field={self.text_field!r} must be a non-empty string naming the "
+                "JSONL field / Parquet column with the text"
+            )
+        if not isinstance(self.tokenizer, str) or not self.tokenizer:
+            raise ValueError(
+                f"DataConfig.tokenizer={self.tokenizer!r} must be 'byte' or a path to a "
+                "tokenizer.json (HF tokenizers) or a tiktoken BPE file"
+            )
+        for name, minimum in (("seq_len", 1), ("batch_size", 1), ("shuffle_seed", 0), ("num_workers", 0)):
+            value = getattr(self, name)
+            if not _is_int(value) or value < minimum:
+                raise ValueError(f"DataConfig.{name}={value!r} must be an integer >= {minimum}")
+        vf = self.val_fraction
+        if isinstance(vf, bool) or not isinstance(vf, (int, float)) or not (0.0 <= vf < 1.0):
+            raise ValueError(
+                f"DataConfig.val_fraction={vf!r} must be a number in [0, 1) "
+                "(0 = no validation split)"
+            )
+        if self.long_documents not in LONG_DOCUMENT_MODES:
+            raise ValueError(
+                f"DataConfig.long_documents={self.long_documents!r} is not one of "
+                f"{LONG_DOCUMENT_MODES}"
+            )
+
+    @property
+    def mixture_weights(self) -> tuple[float, ...]:
+        """The weights normalised to sum to 1 (equal weights when ``weights`` is empty)."""
+        raw = self.weights or (1.0,) * len(self.sources)
+        total = float(sum(raw))
+        return tuple(float(w) / total for w in raw)

@@ -1,0 +1,393 @@
+"""The grain pipeline: documents -> tokens -> pieces -> packed rows -> batches.
+
+Letters: B = batch_size rows per (global) batch, T = seq_len tokens per row.
+
+Each batch is a dict of numpy arrays, all [B, T]:
+  inputs        int32   token ids (pad_id on padding)
+  targets       int32   the next token of the same document (pad_id on padding)
+  positions     int32   position within the document piece, restarting at 0 for each segment
+  segment_ids   int32   1, 2, 3, ... for the pieces packed into a row; 0 = padding
+  loss_weights  float32 1 where a target exists (every non-padding position; a pre-tokenised
+                        source may give its own per-token weights), 0 on padding
+
+Stages (per source, then merged):
+  1. split: the documents whose id hashes into the split (``sources.split_indices``);
+  2. ``MapDataset.shuffle(seed)`` (+ ``repeat``: grain reseeds the shuffle every epoch);
+  3. tokenize: BOS + encode(text) + EOS;
+  4. cut into pieces of at most T+1 tokens that overlap by one token; a piece gives
+     inputs = piece[:-1] and targets = piece[1:]. The shift happens before packing, so every
+     input token of a piece has a target (the last input's target is the piece's last token,
+     which is the first input of the next piece), no target ever crosses a document, and
+     ``loss_weights`` is 1 on every non-padding position (a whole document of L tokens takes
+     L-1 positions: BOS is only an input, EOS only a target). A document with more than T+1 tokens
+     ("long") is split into several pieces (long_documents="split"), each its own segment with
+     positions restarting at 0, or raises (long_documents="error");
+  5. mix the sources by weight (``IterDataset.mix``; the weights count pieces) for training, or
+     concatenate them (validation: every document of every source, once);
+  6. a window shuffle over pieces, so that the pieces of one long file spread over many batches;
+  7. first-fit packing into rows of T, then batching.
+
+Packing choice: grain's ``FirstFitPackIterDataset`` rather than ``ConcatThenSplitIterDataset``.
+Concat-then-split fills rows completely but cuts documents wherever a row ends, so a row would
+start in the middle of a document and long_documents="error" could not be honoured; first-fit
+keeps every piece whole in one row (pieces are cut only by the explicit rule of step 4) at the
+price of some padding, which many bins (``PACKING_BINS``) keep small.
+
+Finite iteration (``repeat=False``, for validation): one pass over the split in a fixed order; the
+last batch is padded to B rows with all-padding rows (segment 0, weight 0), so a perplexity loop
+can always use fixed shapes and weight by ``loss_weights``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import grain
+import grain.experimental as grain_exp
+import numpy as np
+
+from aiinfra_jax.data import sources as sources_lib
+from aiinfra_jax.data.config import DataConfig
+from aiinfra_jax.data.tokenizer import Tokenizer
+
+BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_weights")
+STATE_FORMAT = 1
+# Pieces held by the window shuffle (each at most T+1 tokens). On the embedded corpus at T=256 a
+# 16-row batch then draws from ~14 distinct files (~10 with 4096); filling it takes ~0.6 s.
+SHUFFLE_WINDOW = 16384
+# First-fit packing bins per packed group; more bins = less padding.
+PACKING_BINS = 128
+# Reader threads that load and tokenize documents ahead of packing (per process).
+READ_THREADS = 4
+READ_BUFFER = 64
+
+
+def _derive_seed(seed: int, *salt: int) -> int:
+    """A 32-bit seed for one stage, stable across processes and platforms."""
+    return int(np.random.SeedSequence([seed, *salt]).generate_state(1)[0])
+
+
+class _SplitView:
+    """The documents of one split of a source: element i -> {"doc": Document, "id": str}."""
+
+    def __init__(self, source: sources_lib.DocumentSource, indices: np.ndarray):
+        self.source = source
+        self.indices = indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        j = int(self.indices[i])
+        return {"doc": self.source[j], "id": self.source.doc_id(j)}
+
+    def __repr__(self) -> str:
+        return f"_SplitView({self.source.name!r}, {len(self)} documents)"
+
+
+class _Tokenize(grain.transforms.Map):
+    """{"doc", "id"} -> {"tokens": int32 [L], "weights": float32 [L], "id"} with BOS ... EOS.
+
+    A pre-tokenised document (a dict with "tokens" and optional "loss_weights", weight j applying
+    to token j as a target) is used as is.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+
+    def map(self, element: dict[str, Any]) -> dict[str, Any]:
+        doc = element["doc"]
+        if isinstance(doc, str):
+            encode_array = getattr(self.tokenizer, "encode_array", None)
+            body = (
+                encode_array(doc)
+                if encode_array is not None
+                else np.asarray(self.tokenizer.encode(doc), dtype=np.int32)
+            )
+            tokens = np.empty(body.size + 2, dtype=np.int32)
+            tokens[0] = self.tokenizer.bos_id
+            tokens[1:-1] = body
+            tokens[-1] = self.tokenizer.eos_id
+            weights = np.ones(tokens.size, dtype=np.float32)
+        else:
+            tokens = np.asarray(doc["tokens"], dtype=np.int32).reshape(-1)
+            if "loss_weights" in doc:
+                weights = np.asarray(doc["loss_weights"], dtype=np.float32).reshape(-1)
+            else:
+                weights = np.ones(tokens.size, dtype=np.float32)
+            if weights.shape != tokens.shape or tokens.size < 2:
+                raise ValueError(
+                    f"document {element['id']!r}: pre-tokenised documents need >= 2 tokens and "
+                    f"loss_weights of the same length, got {tokens.size} tokens and "
+                    f"{weights.size} weights"
+                )
+        return {"tokens": tokens, "weights": weights, "id": element["id"]}
+
+
+class _Pieces(grain_exp.FlatMapTransform):
+    """Cuts a tokenized document into shifted pieces (stage 4 of the module docstring)."""
+
+    max_fan_out = 1 << 30  # Unbounded: a long document gives ceil((L - 1) / T) pieces.
+
+    def __init__(self, seq_len: int, long_documents: str):
+        self.seq_len = seq_len
+        self.long_documents = long_documents
+
+    def flat_map(self, element: dict[str, Any]) -> list[dict[str, np.ndarray]]:
+        tokens, weights = element["tokens"], element["weights"]
+        n, t = tokens.size - 1, self.seq_len  # n = number of (input, target) pairs
+        if n > t and self.long_documents == "error":
+            raise ValueError(
+                f"document {element['id']!r} has {tokens.size} tokens (with BOS/EOS), more than "
+                f"seq_len + 1 = {t + 1}; set long_documents='split' or raise seq_len"
+            )
+        return [
+            {
+                "inputs": tokens[a : min(a + t, n)],
+                "targets": tokens[a + 1 : min(a + t, n) + 1],
+                "weights": weights[a + 1 : min(a + t, n) + 1],
+            }
+            for a in range(0, n, t)
+        ]
+
+
+class _ToRow(grain.transforms.Map):
+    """A packed row from grain's packer -> the batch row format (see the module docstring)."""
+
+    def __init__(self, pad_id: int):
+        self.pad_id = pad_id
+
+    def map(self, el: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        seg = el["inputs_segment_ids"].astype(np.int32)
+        pad = seg == 0
+        return {
+            "inputs": np.where(pad, self.pad_id, el["inputs"]).astype(np.int32),
+            "targets": np.where(pad, self.pad_id, el["targets"]).astype(np.int32),
+            "positions": np.where(pad, 0, el["inputs_positions"]).astype(np.int32),
+            "segment_ids": seg,
+            "loss_weights": np.where(pad, 0.0, el["weights"]).astype(np.float32),
+        }
+
+
+class _PadBatch(grain.transforms.Map):
+    """Pads a short final batch to B rows of padding (segment 0, weight 0)."""
+
+    def __init__(self, batch_size: int, pad_id: int):
+        self.batch_size = batch_size
+        self.pad_id = pad_id
+
+    def map(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        missing = self.batch_size - batch["inputs"].shape[0]
+        if missing == 0:
+            return batch
+        out = {}
+        for k, v in batch.items():
+            fill = self.pad_id if k in ("inputs", "targets") else 0
+            out[k] = np.concatenate([v, np.full((missing,) + v.shape[1:], fill, dtype=v.dtype)])
+        return out
+
+
+def _document_dataset(
+    source: sources_lib.DocumentSource, cfg: DataConfig, split: str, seed: int, salt: int
+) -> grain.MapDataset:
+    indices = sources_lib.split_indices(source, split, cfg.val_fraction)
+    return grain.MapDataset.source(_SplitView(source, indices)).shuffle(seed=_derive_seed(seed, salt, 1))
+
+
+def _pieces(ds: grain.MapDataset, cfg: DataConfig, tokenizer: Tokenizer) -> grain.IterDataset:
+    read = grain.ReadOptions(num_threads=READ_THREADS, prefetch_buffer_size=READ_BUFFER)
+    it = ds.map(_Tokenize(tokenizer)).to_iter_dataset(read)
+    return grain_exp.FlatMapIterDataset(it, _Pieces(cfg.seq_len, cfg.long_documents))
+
+
+def _allow_unparsed_absl_flags() -> None:
+    """Grain <= 0.2.18 reads an absl flag in mp_prefetch and raises UnparsedFlagAccessError in a
+    program that does not run absl.app (google/grain#1355, fixed upstream by reading the default).
+    When nobody parsed the flags, mark them parsed: every flag keeps its default value."""
+    from absl import flags  # pylint: disable=import-outside-toplevel
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+
+
+def make_dataset(
+    cfg: DataConfig,
+    tokenizer: Tokenizer,
+    *,
+    split: str,
+    seed: int | None = None,
+    num_epochs: int | None = None,
+) -> grain.IterDataset:
+    """The batched grain dataset of ``split`` (see the module docstring).
+
+    Args:
+      cfg: the data settings.
+      tokenizer: the tokenizer (its vocab must match the model's).
+      split: "train" or "validation".
+      seed: seed of all shuffles; None = ``cfg.shuffle_seed``.
+      num_epochs: passes over each source; None = forever (training). With a finite number the
+        sources are concatenated (not mixed), every document is seen ``num_epochs`` times and
+        the last batch is padded to ``batch_size`` rows.
+    """
+    if split not in sources_lib.SPLITS:
+        raise ValueError(f"split={split!r} is not one of {sources_lib.SPLITS}")
+    if num_epochs is not None and (not isinstance(num_epochs, int) or num_epochs < 1):
+        raise ValueError(f"num_epochs={num_epochs!r} must be None (forever) or an integer >= 1")
+    seed = cfg.shuffle_seed if seed is None else seed
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed={seed!r} must be an integer >= 0 (or None for cfg.shuffle_seed)")
+    opened = sources_lib.open_sources(cfg)
+    docs = [_document_dataset(src, cfg, split, seed, i) for i, src in enumerate(opened)]
+
+    if num_epochs is None:
+        streams = [_pieces(d.repeat(None), cfg, tokenizer) for d in docs]
+        ds = streams[0] if len(streams) == 1 else grain.IterDataset.mix(streams, list(cfg.mixture_weights))
+    else:
+        merged = docs[0] if len(docs) == 1 else grain.MapDataset.concatenate(docs)
+        ds = _pieces(merged.repeat(num_epochs), cfg, tokenizer)
+
+    ds = grain_exp.WindowShuffleIterDataset(ds, window_size=SHUFFLE_WINDOW, seed=_derive_seed(seed, 2))
+    ds = grain_exp.FirstFitPackIterDataset(
+        ds,
+        length_struct={"inputs": cfg.seq_len, "targets": cfg.seq_len, "weights": cfg.seq_len},
+        num_packing_bins=max(PACKING_BINS, cfg.batch_size),
+        seed=_derive_seed(seed, 3),
+        shuffle_bins=True,
+    )
+    ds = ds.map(_ToRow(tokenizer.pad_id))
+    finite = num_epochs is not None
+    ds = ds.batch(cfg.batch_size, drop_remainder=not finite)
+    if finite:
+        ds = ds.map(_PadBatch(cfg.batch_size, tokenizer.pad_id))
+    if cfg.num_workers > 0:
+        _allow_unparsed_absl_flags()
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.num_workers))
+    return ds
+
+
+def _jsonable(state: Any) -> Any:
+    """Grain's iterator state as plain JSON types (raises TypeError if it holds anything else)."""
+
+    def default(o: Any) -> Any:
+        if isinstance(o, np.integer):
+            return int(o)
+        if isinstance(o, np.floating):
+            return float(o)
+        if isinstance(o, np.ndarray):
+            return o.tolist()
+        raise TypeError(f"iterator state holds a {type(o).__name__}, which is not JSON-serialisable")
+
+    return json.loads(json.dumps(state, default=default))
+
+
+class DataIterator:
+    """An iterator over batches whose position can be saved and restored exactly.
+
+    ``get_state()`` returns a JSON-serialisable dict (store it in a checkpoint);
+    ``set_state(state)`` on an iterator built from the same config, tokenizer, split and seed
+    continues with exactly the batches the saved iterator would have produced next. A state from a
+    different setup is refused with a ValueError naming what differs.
+    """
+
+    def __init__(self, dataset: grain.IterDataset, fingerprint: Mapping[str, Any]):
+        self._dataset = dataset
+        self._fingerprint = _jsonable(dict(fingerprint))
+        self._it = iter(dataset)
+        self._copy = bool(self._fingerprint.get("num_workers", 0))
+
+    def __iter__(self) -> DataIterator:
+        return self
+
+    def __enter__(self) -> DataIterator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        batch = next(self._iterator())
+        if self._copy:
+            # Worker batches live in shared memory blocks; copy them out so the blocks are freed now.
+            batch = {k: np.array(v, copy=True) for k, v in batch.items()}
+        return batch
+
+    def get_state(self) -> dict[str, Any]:
+        return {
+            "format": STATE_FORMAT,
+            "fingerprint": self._fingerprint,
+            "grain": _jsonable(self._iterator().get_state()),
+        }
+
+    def set_state(self, state: Mapping[str, Any]) -> None:
+        if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT or "grain" not in state:
+            raise ValueError(
+                f"data iterator state has format {state.get('format') if isinstance(state, Mapping) else state!r}; "
+                f"expected a dict from DataIterator.get_state() (format {STATE_FORMAT})"
+            )
+        saved = state.get("fingerprint", {})
+        diff = {
+            k: (saved.get(k), self._fingerprint.get(k))
+            for k in sorted(set(saved) | set(self._fingerprint))
+            if saved.get(k) != self._fingerprint.get(k)
+        }
+        if diff:
+            details = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
+            raise ValueError(
+                f"data iterator state was saved with a different data setup ({details}); resume with "
+                "the same data config, tokenizer, split and seed"
+            )
+        self._iterator().set_state(state["grain"])
+
+    def close(self) -> None:
+        """Stops worker processes (only started when ``num_workers > 0``)."""
+        if self._it is None:
+            return
+        close = getattr(self._it, "close", None)
+        if close is not None:
+            close()
+        self._it = None  # Let grain's iterators go now rather than at interpreter shutdown.
+
+    def _iterator(self) -> Any:
+        if self._it is None:
+            raise ValueError("DataIterator is closed; make a new one (and set_state) to continue")
+        return self._it
+
+
+def make_iterator(
+    cfg: DataConfig,
+    tokenizer: Tokenizer,
+    split: str = "train",
+    seed: int | None = None,
+    repeat: bool = True,
+) -> DataIterator:
+    """A ``DataIterator`` over ``split``: endless when ``repeat``, else one deterministic pass."""
+    ds = make_dataset(cfg, tokenizer, split=split, seed=seed, num_epochs=None if repeat else 1)
+    fingerprint = {
+        "sources": list(cfg.sources),
+        "weights": list(cfg.mixture_weights),
+        "text_field": cfg.text_field,
+        "tokenizer": repr(tokenizer),
+        "vocab_size": tokenizer.vocab_size,
+        "seq_len": cfg.seq_len,
+        "batch_size": cfg.batch_size,
+        "val_fraction": cfg.val_fraction,
+        "long_documents": cfg.long_documents,
+        "num_workers": cfg.num_workers,
+        "split": split,
+        "seed": cfg.shuffle_seed if seed is None else seed,
+        "repeat": repeat,
+    }
+    return DataIterator(ds, fingerprint)
+
+
+def batches_of(iterator: DataIterator, n: int) -> Sequence[dict[str, np.ndarray]]:
+    """The next ``n`` batches (fewer if a finite iterator ends first)."""
+    out = []
+    for _ in range(n):
+        try:
+            out.append(next(iterator))
+        except StopIteration:
+            break
+    return out

@@ -1,0 +1,251 @@
+"""Batched generation for any registered model: prefill + cached decode, greedy or nucleus sampling.
+
+Shape letters: B batch (prompts), T padded prompt length, V vocabulary, N max_new_tokens,
+S cache slots (T + N).
+
+The model is any module with the Transformer interface (`init_cache`, `features`, `logits`,
+`__call__(tokens, positions=, segment_ids=, cache=)`); nothing here knows which mixer it runs.
+Prompts are right-padded; the prefill marks the padding with segment id 0 so each row's cache length
+is its true prompt length, and decoding continues from there (positions = row length).
+The model is split into (graphdef, state) and run inside jax.jit, so repeated calls with the same
+model and shapes reuse the compiled programs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateResult:
+    tokens: jax.Array  # [B, N] int32; pad_id after a row's end
+    lengths: jax.Array  # [B] int32: generated tokens per row, eos included
+    finished: jax.Array  # [B] bool: the row stopped on eos (False: ran out of max_new_tokens)
+    prompt_lengths: jax.Array  # [B] int32
+
+    def as_lists(self) -> list[list[int]]:
+        """Each row's generated tokens (eos included) as a Python list."""
+        toks, lens = np.asarray(self.tokens), np.asarray(self.lengths)
+        return [toks[b, :lens[b]].tolist() for b in range(toks.shape[0])]
+
+
+# Sampling -----------------------------------------------------------------------------------------
+def _check_sampling(temperature: float, top_p: float) -> None:
+    if not temperature >= 0:
+        raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p} must be in (0, 1]")
+
+
+def sample(logits: jax.Array, rng: jax.Array | None, temperature: float = 0.0,
+           top_p: float = 1.0) -> jax.Array:
+    """Next tokens [B] int32 from logits [B,V].
+
+    temperature == 0: argmax (rng unused). Otherwise softmax(logits / temperature) restricted to the
+    smallest set of most likely tokens whose probability reaches top_p (nucleus sampling).
+    temperature and top_p are Python floats (static under jit).
+    """
+    _check_sampling(temperature, top_p)
+    logits = logits.astype(jnp.float32)
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if rng is None:
+        raise ValueError("sample: temperature > 0 needs an rng key")
+    scaled = logits / temperature
+    if top_p < 1.0:
+        sorted_desc = -jnp.sort(-scaled, axis=-1)
+        probs = jax.nn.softmax(sorted_desc, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        keep = mass_before < top_p  # the most likely token is always kept
+        threshold = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+        scaled = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    return jax.random.categorical(rng, scaled, axis=-1).astype(jnp.int32)
+
+
+# Prefill and decode (pure functions of graphdef + state, jitted) --------------------------------
+@functools.partial(jax.jit, static_argnums=(0, 4, 5))
+def _prefill(graphdef, state, tokens_bt, lengths_b, max_len: int, chunk: int):
+    model = nnx.merge(graphdef, state)
+    batch, seq = tokens_bt.shape
+    n_chunks = seq // chunk
+    cache = model.init_cache(batch, max_len)
+
+    def run_chunk(cache, last_b1d, start, tokens_bc):
+        positions = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (batch, chunk))
+        segment_ids = (positions < lengths_b[:, None]).astype(jnp.int32)
+        x, cache, _ = model.features(tokens_bc, positions=positions, segment_ids=segment_ids,
+                                     cache=cache)
+        # Keep the hidden state of each row's last prompt token once its chunk is reached.
+        index = jnp.clip(lengths_b - 1 - start, 0, chunk - 1)
+        here = jnp.take_along_axis(x, index[:, None, None], axis=1)  # [B,1,D]
+        in_chunk = ((lengths_b - 1 >= start) & (lengths_b - 1 < start + chunk))[:, None, None]
+        last_b1d = here if last_b1d is None else jnp.where(in_chunk, here, last_b1d)
+        return cache, last_b1d
+
+    if n_chunks == 1:
+        cache, last_b1d = run_chunk(cache, None, 0, tokens_bt)
+    else:
+        # The first chunk fixes the hidden-state dtype; the rest run in a scan.
+        cache, last_b1d = run_chunk(cache, None, 0, tokens_bt[:, :chunk])
+        chunks_nbc = tokens_bt[:, chunk:].reshape(batch, n_chunks - 1, chunk).transpose(1, 0, 2)
+
+        def body(carry, xs):
+            cache, last = carry
+            j, tokens_bc = xs
+            return run_chunk(cache, last, j * chunk, tokens_bc), None
+
+        js = jnp.arange(1, n_chunks, dtype=jnp.int32)
+        (cache, last_b1d), _ = jax.lax.scan(body, (cache, last_b1d), (js, chunks_nbc))
+    return model.logits(last_b1d)[:, 0], cache
+
+
+def _step(model, cache, tokens_b, positions_b):
+    logits, cache, _ = model(tokens_b[:, None], positions=positions_b[:, None], cache=cache)
+    return logits[:, 0], cache
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _decode_step(graphdef, state, cache, tokens_b, positions_b):
+    return _step(nnx.merge(graphdef, state), cache, tokens_b, positions_b)
+
+
+def prefill(model: nnx.Module, tokens: jax.Array, lengths: jax.Array, max_len: int, *,
+            chunk_size: int | None = None) -> tuple[jax.Array, Any]:
+    """Runs right-padded prompts tokens [B,T] (true lengths [B], >= 1) through the model in one
+    jitted call. Returns (logits [B,V] float32 at each row's last prompt token, cache with room for
+    max_len tokens per row).
+
+    chunk_size: feed the prompts in chunks of this many tokens through the cache (a scan inside the
+    same jitted call), so attention never holds more than [chunk, max_len] scores per head; the
+    prompts are right-padded up to a multiple of it (and the cache made at least that long). None =
+    one chunk of T.
+    """
+    tokens = jnp.asarray(tokens, jnp.int32)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    if tokens.ndim != 2 or lengths.shape != tokens.shape[:1]:
+        raise ValueError(f"prefill: tokens must be [B,T] and lengths [B]; got {tokens.shape} and "
+                         f"{lengths.shape}")
+    seq = tokens.shape[1]
+    if max_len < seq:
+        raise ValueError(f"prefill: max_len={max_len} is shorter than the prompts ({seq} tokens)")
+    if chunk_size is None or chunk_size >= seq:
+        chunk = seq
+    elif chunk_size < 1:
+        raise ValueError(f"prefill: chunk_size={chunk_size} must be a positive int or None")
+    else:
+        chunk = int(chunk_size)
+        padded = -(-seq // chunk) * chunk
+        tokens = jnp.pad(tokens, ((0, 0), (0, padded - seq)))
+        max_len = max(max_len, padded)
+    graphdef, state = nnx.split(model)
+    return _prefill(graphdef, state, tokens, lengths, int(max_len), chunk)
+
+
+def decode_step(model: nnx.Module, cache: Any, tokens: jax.Array,
+                positions: jax.Array) -> tuple[jax.Array, Any]:
+    """Feeds one token per row (tokens [B] at positions [B], normally the rows' cache lengths).
+    Returns (logits [B,V] float32, updated cache)."""
+    graphdef, state = nnx.split(model)
+    return _decode_step(graphdef, state, cache, jnp.asarray(tokens, jnp.int32),
+                        jnp.asarray(positions, jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5, 6, 7, 8, 9))
+def _decode_loop(graphdef, state, cache, first_logits, lengths_b, max_new: int,
+                 temperature: float, top_p: float, eos_id: int | None, pad_id: int, rng):
+    model = nnx.merge(graphdef, state)
+    batch = first_logits.shape[0]
+
+    def pick(logits, step):
+        key = None if rng is None else jax.random.fold_in(rng, step)
+        return sample(logits, key, temperature, top_p)
+
+    def is_eos(tok):
+        return jnp.zeros_like(tok, jnp.bool_) if eos_id is None else tok == eos_id
+
+    tok = pick(first_logits, 0)
+    out = jnp.full((batch, max_new), pad_id, jnp.int32).at[:, 0].set(tok)
+    init = (jnp.int32(1), cache, tok, lengths_b, is_eos(tok), out, jnp.ones((batch,), jnp.int32))
+
+    def cond(carry):
+        step, _, _, _, done, _, _ = carry
+        return (step < max_new) & ~jnp.all(done)
+
+    def body(carry):
+        step, cache, tok, pos, done, out, n_out = carry
+        logits, cache = _step(model, cache, tok, pos)
+        new = jnp.where(done, pad_id, pick(logits, step))
+        out = jax.lax.dynamic_update_slice(out, new[:, None], (0, step))
+        n_out = n_out + (~done).astype(jnp.int32)
+        done = done | is_eos(new)
+        return step + 1, cache, new, pos + 1, done, out, n_out
+
+    _, _, _, _, done, out, n_out = jax.lax.while_loop(cond, body, init)
+    return out, n_out, done
+
+
+def _pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    if len(prompts) == 0:
+        raise ValueError("generate: prompts is empty")
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    tokens = np.full((len(prompts), int(lengths.max())), pad_id, np.int32)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)] = np.asarray(p, np.int32)
+    return tokens, lengths
+
+
+def generate(model: nnx.Module,
+             prompts: Sequence[Sequence[int]] | tuple[jax.Array, jax.Array], *,
+             max_new_tokens: int, rng: jax.Array | None = None, temperature: float = 0.0,
+             top_p: float = 1.0, eos_id: int | None = None, pad_id: int = 0,
+             prefill_chunk: int | None = None) -> GenerateResult:
+    """Generates up to max_new_tokens per prompt; a row stops after emitting eos_id.
+
+    prompts: a list of token lists, or (tokens [B,T] right-padded, lengths [B]).
+    Batched prefill in one jitted call, then a jitted lax.while_loop of decode steps that ends when
+    every row has stopped. Sampling: see `sample` (temperature 0 = greedy; rng needed otherwise).
+    """
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens={max_new_tokens!r} must be a positive int")
+    _check_sampling(temperature, top_p)
+    if temperature > 0 and rng is None:
+        raise ValueError("generate: temperature > 0 needs rng=jax.random.key(...)")
+    if isinstance(prompts, tuple) and len(prompts) == 2 and hasattr(prompts[0], "shape"):
+        tokens, lengths = np.asarray(prompts[0], np.int32), np.asarray(prompts[1], np.int32)
+        if tokens.ndim != 2 or lengths.shape != tokens.shape[:1]:
+            raise ValueError(f"generate: (tokens, lengths) must be [B,T] and [B]; got "
+                             f"{tokens.shape} and {lengths.shape}")
+    else:
+        tokens, lengths = _pad_prompts(prompts, pad_id)
+    if lengths.min() < 1 or lengths.max() > tokens.shape[1]:
+        raise ValueError(f"generate: prompt lengths must be in [1, {tokens.shape[1]}], got "
+                         f"{lengths.tolist()}")
+    cfg = getattr(model, "cfg", None)
+    if cfg is not None:
+        valid = tokens[np.arange(tokens.shape[1])[None, :] < lengths[:, None]]
+        if valid.min() < 0 or valid.max() >= cfg.vocab_size:
+            raise ValueError(f"generate: prompt token ids must be in [0, {cfg.vocab_size}), got "
+                             f"range [{valid.min()}, {valid.max()}]")
+        for name, tok in (("eos_id", eos_id), ("pad_id", pad_id)):
+            if tok is not None and not 0 <= tok < cfg.vocab_size:
+                raise ValueError(f"generate: {name}={tok} is outside the vocabulary "
+                                 f"[0, {cfg.vocab_size})")
+    max_len = tokens.shape[1] + max_new_tokens
+    if cfg is not None and max_len > cfg.max_seq_len:
+        raise ValueError(f"generate: prompt length {tokens.shape[1]} + max_new_tokens "
+                         f"{max_new_tokens} = {max_len} exceeds ModelConfig.max_seq_len="
+                         f"{cfg.max_seq_len}")
+    lengths_j = jnp.asarray(lengths)
+    first_logits, cache = prefill(model, tokens, lengths_j, max_len, chunk_size=prefill_chunk)
+    graphdef, state = nnx.split(model)
+    out, n_out, done = _decode_loop(graphdef, state, cache, first_logits, lengths_j,
+                                    max_new_tokens, float(temperature), float(top_p), eos_id,
+                                    int(pad_id), rng)
+    return GenerateResult(tokens=out, lengths=n_out, finished=done, prompt_lengths=lengths_j)

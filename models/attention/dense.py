@@ -1,0 +1,155 @@
+"""Dense causal grouped-query attention ("dense" mixer) with a key/value cache.
+
+Shape letters: B batch, T new tokens, S cache slots (max_len), D d_model, H query heads,
+K key/value heads (H = G * K), Dh head_dim.
+
+Without a cache: causal attention restricted to equal segment ids (0 = padding, its own segment).
+With a cache {"k","v": [B,S,K,Dh], "lengths": [B] int32}: the T new keys/values are written at
+slots lengths[b] .. lengths[b]+T-1 (writes past S are dropped), and query i of row b sees slots
+< lengths[b] + i + 1. Rows must be right-padded; segment_ids (if given) marks real tokens
+(nonzero), and each row's length grows by its count of real tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ..config import ModelConfig
+from ..layers import apply_rope, make_param, out_proj_std
+from ..registry import register_mixer
+
+DenseCache = dict[str, jax.Array]
+
+log = logging.getLogger(__name__)
+
+
+def choose_implementation(requested: str | None, dtype, head_dim: int,
+                          backend: str | None = None) -> str:
+    """The jax.nn.dot_product_attention implementation to use ("xla" or "cudnn").
+
+    None: "cudnn" on a GPU when the compute dtype is bfloat16/float16 and head_dim is a multiple of
+    8 up to 128 (cuDNN's fused attention limits), else "xla". An explicit "cudnn" off a GPU raises.
+    """
+    backend = backend or jax.default_backend()
+    ok_shape = head_dim % 8 == 0 and head_dim <= 128
+    ok_dtype = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    if requested == "cudnn":
+        if backend != "gpu" or not ok_shape or not ok_dtype:
+            raise ValueError(f"attention_impl='cudnn' needs a GPU backend (have {backend!r}), "
+                             f"bfloat16/float16 compute (have {jnp.dtype(dtype).name}) and "
+                             f"head_dim a multiple of 8 <= 128 (have {head_dim}); use "
+                             "attention_impl=None or 'xla'")
+        return "cudnn"
+    if requested == "xla":
+        return "xla"
+    return "cudnn" if backend == "gpu" and ok_shape and ok_dtype else "xla"
+
+
+def sdpa(q_bthd, k_bskd, v_bskd, mask_b1ts, requested: str | None) -> jax.Array:
+    """jax.nn.dot_product_attention with a boolean mask on the chosen backend (GQA natively)."""
+    impl = choose_implementation(requested, q_bthd.dtype, q_bthd.shape[-1])
+    if impl == "cudnn":
+        try:
+            return jax.nn.dot_product_attention(q_bthd, k_bskd, v_bskd, mask=mask_b1ts,
+                                                implementation="cudnn")
+        except Exception as err:  # cuDNN missing or shape unsupported: only for automatic choice
+            if requested == "cudnn":
+                raise
+            log.warning("dense attention: cuDNN cannot run here (%s: %s); using XLA",
+                        type(err).__name__, err)
+    return jax.nn.dot_product_attention(q_bthd, k_bskd, v_bskd, mask=mask_b1ts,
+                                        implementation="xla")
+
+
+def attention_mask(segment_ids_bt: jax.Array | None, batch: int, seq: int) -> jax.Array:
+    """Boolean [B,1,T,T] mask: causal and same segment (padding 0 is a segment of its own)."""
+    causal = jnp.tril(jnp.ones((seq, seq), jnp.bool_))[None, None]
+    if segment_ids_bt is None:
+        return jnp.broadcast_to(causal, (batch, 1, seq, seq))
+    same = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
+    return causal & same[:, None]
+
+
+def cache_mask(lengths_b: jax.Array, seq: int, slots: int) -> jax.Array:
+    """Boolean [B,1,T,S]: query i of row b sees cache slots < lengths[b] + i + 1."""
+    limit_bt = lengths_b[:, None] + jnp.arange(seq, dtype=lengths_b.dtype)[None, :]
+    return (jnp.arange(slots)[None, None, :] <= limit_bt[:, :, None])[:, None]
+
+
+def write_cache(buf_bskd: jax.Array, new_btkd: jax.Array, lengths_b: jax.Array) -> jax.Array:
+    """buf with new[b, i] written at slot lengths[b] + i (out-of-range slots dropped)."""
+    batch, seq = new_btkd.shape[:2]
+    slots_bt = lengths_b[:, None] + jnp.arange(seq, dtype=lengths_b.dtype)[None, :]
+    rows_bt = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, seq))
+    return buf_bskd.at[rows_bt, slots_bt].set(new_btkd.astype(buf_bskd.dtype), mode="drop")
+
+
+@register_mixer("dense")
+class DenseAttention(nnx.Module):
+    """Projections q/k/v/o, RoPE, jax.nn.dot_product_attention (cuDNN on GPU, XLA elsewhere;
+    cfg.attention_impl overrides)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, h, k, dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
+        std, pdt = cfg.init_std, cfg.param_dtype
+        self.wq = make_param(rngs, (d, h, dh), ("embed", "heads", "head_dim"), std, pdt)
+        self.wk = make_param(rngs, (d, k, dh), ("embed", "kv_heads", "head_dim"), std, pdt)
+        self.wv = make_param(rngs, (d, k, dh), ("embed", "kv_heads", "head_dim"), std, pdt)
+        self.wo = make_param(rngs, (h, dh, d), ("heads", "head_dim", "embed"), out_proj_std(cfg),
+                             pdt)
+
+    def project_qkv(self, x_btd: jax.Array, positions_bt: jax.Array):
+        """q [B,T,H,Dh], k and v [B,T,K,Dh] in the compute dtype, RoPE applied to q and k."""
+        dt = jnp.dtype(self.cfg.dtype)
+        x = x_btd.astype(dt)
+        q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt))
+        k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt))
+        v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt))
+        theta = self.cfg.rope_theta
+        return apply_rope(q, positions_bt, theta), apply_rope(k, positions_bt, theta), v
+
+    def __call__(self, x_btd: jax.Array, *, positions: jax.Array,
+                 segment_ids: jax.Array | None = None,
+                 cache: DenseCache | None = None) -> tuple[jax.Array, DenseCache | None]:
+        batch, seq, _ = x_btd.shape
+        dt = jnp.dtype(self.cfg.dtype)
+        q, k, v = self.project_qkv(x_btd, positions)
+        if cache is None:
+            mask = attention_mask(segment_ids, batch, seq)
+            y = sdpa(q, k, v, mask, self.cfg.attention_impl)
+            new_cache = None
+        else:
+            lengths = cache["lengths"]
+            slots = cache["k"].shape[1]
+            k_all = write_cache(cache["k"], k, lengths)
+            v_all = write_cache(cache["v"], v, lengths)
+            mask = cache_mask(lengths, seq, slots)
+            y = sdpa(q, k_all.astype(dt), v_all.astype(dt), mask, self.cfg.attention_impl)
+            if segment_ids is None:
+                added = jnp.full_like(lengths, seq)
+            else:
+                added = jnp.sum(segment_ids != 0, axis=1).astype(lengths.dtype)
+            new_cache = {"k": k_all, "v": v_all, "lengths": lengths + added}
+        out = jnp.einsum("bthk,hkd->btd", y.astype(dt), self.wo[...].astype(dt))
+        return out, new_cache
+
+    def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> DenseCache:
+        dtype = jnp.dtype(dtype or self.cfg.dtype)
+        shape = (batch, max_len, self.cfg.n_kv_heads, self.cfg.resolved_head_dim)
+        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
+                "lengths": jnp.zeros((batch,), jnp.int32)}
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Projections 2*D*(2H+2K)*Dh plus scores and values 4*H*Dh per attended key; causal
+        attention sees (seq_len + 1) / 2 keys on average."""
+        c = self.cfg
+        dh = c.resolved_head_dim
+        proj = 2.0 * c.d_model * dh * (2 * c.n_heads + 2 * c.n_kv_heads)
+        attn = 4.0 * c.n_heads * dh * (seq_len + 1) / 2.0
+        return proj + attn

@@ -1,0 +1,155 @@
+"""ModelConfig: the frozen description of a Transformer (sizes, layer pattern, dtypes, remat).
+
+Layer pattern: the block of P = lcm(len(mixers), len(ffns)) layers (layer i uses
+mixers[i % len(mixers)] and ffns[i % len(ffns)]) is repeated n_layers / P times.
+Mixers with their own settings (NSA, MSA, ...) add a small nested frozen dataclass field here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+DTYPES = ("float32", "bfloat16")
+ATTENTION_IMPLS = (None, "xla", "cudnn")
+# jax.checkpoint_policies members that are policies themselves (not factories needing arguments).
+REMAT_POLICIES = ("everything_saveable", "nothing_saveable", "dots_saveable", "checkpoint_dots",
+                  "dots_with_no_batch_dims_saveable", "checkpoint_dots_with_no_batch_dims")
+
+
+def padded_vocab_size(tokenizer_size: int, multiple: int = 128) -> int:
+    """The tokenizer's vocabulary size rounded up to a multiple of `multiple`."""
+    if tokenizer_size <= 0:
+        raise ValueError(f"tokenizer_size must be positive, got {tokenizer_size}")
+    return -(-tokenizer_size // multiple) * multiple
+
+
+def remat_choices() -> tuple[str, ...]:
+    import jax
+    available = tuple(p for p in REMAT_POLICIES if hasattr(jax.checkpoint_policies, p))
+    return ("none", "full") + available
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 0  # 0 = the tokenizer's size rounded up to 128 (filled in by the trainer)
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int | None = None  # None = d_model // n_heads
+    d_ff: int | None = None  # None = 8/3 * d_model rounded up to a multiple of 64 (SwiGLU)
+    mixers: tuple[str, ...] = ("dense",)
+    ffns: tuple[str, ...] = ("swiglu",)
+    residual: str = "standard"
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    dtype: str = "float32"  # compute dtype
+    param_dtype: str = "float32"
+    remat: str = "none"  # "none" | "full" | a jax.checkpoint_policies name, e.g. "dots_saveable"
+    scan_layers: bool = True
+    init_std: float = 0.02
+    max_seq_len: int = 4096  # used only for checks and cache sizes
+    # Dense attention backend of jax.nn.dot_product_attention: None = cuDNN on a GPU for bfloat16 /
+    # float16 compute when the shapes allow it (falling back to XLA with a logged warning if cuDNN
+    # cannot trace), XLA otherwise; "xla" or "cudnn" force one ("cudnn" raises where unavailable).
+    attention_impl: str | None = None
+
+    def __post_init__(self):
+        # Lists from YAML / CLI overrides become tuples so the config stays hashable.
+        for name in ("mixers", "ffns"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                value = (value,)
+            if isinstance(value, list):
+                value = tuple(value)
+            object.__setattr__(self, name, value)
+        self._validate()
+
+    def _fail(self, name: str, why: str) -> None:
+        raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}: {why}")
+
+    def _validate(self) -> None:
+        from . import registry
+
+        if not isinstance(self.vocab_size, int) or self.vocab_size < 0:
+            self._fail("vocab_size", "must be a non-negative int (0 = fill in from the tokenizer "
+                       "with ModelConfig.with_vocab(tokenizer_size))")
+        for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                self._fail(name, "must be a positive int")
+        if self.head_dim is None:
+            if self.d_model % self.n_heads:
+                self._fail("n_heads", f"must divide d_model={self.d_model} when head_dim is None "
+                           "(or set head_dim explicitly)")
+        elif not isinstance(self.head_dim, int) or self.head_dim <= 0:
+            self._fail("head_dim", "must be a positive int or None (= d_model // n_heads)")
+        if self.resolved_head_dim % 2:
+            self._fail("head_dim", f"resolved head_dim {self.resolved_head_dim} must be even "
+                       "for RoPE")
+        if self.n_heads % self.n_kv_heads:
+            self._fail("n_kv_heads", f"must divide n_heads={self.n_heads} "
+                       "(grouped-query attention)")
+        if self.d_ff is not None and (not isinstance(self.d_ff, int) or self.d_ff <= 0):
+            self._fail("d_ff", "must be a positive int or None (= 8/3 d_model rounded up to 64)")
+        for name, kind in (("mixers", "mixer"), ("ffns", "ffn")):
+            names = getattr(self, name)
+            if not names or not all(isinstance(n, str) for n in names):
+                self._fail(name, f"must be a non-empty tuple of names; registered: "
+                           f"{registry.registered(kind)}")
+            unknown = [n for n in names if n not in registry.registered(kind)]
+            if unknown:
+                self._fail(name, f"unknown {kind} name(s) {unknown}; registered: "
+                           f"{registry.registered(kind)}")
+        if self.residual not in registry.registered("residual"):
+            self._fail("residual", f"unknown residual scheme; registered: "
+                       f"{registry.registered('residual')}")
+        if self.n_layers % self.block_size:
+            self._fail("n_layers", f"must be a multiple of lcm(len(mixers), len(ffns)) = "
+                       f"{self.block_size} (mixers={self.mixers}, ffns={self.ffns})")
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                self._fail(name, "must be a positive number")
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in DTYPES:
+                self._fail(name, f"must be one of {DTYPES}")
+        if self.remat not in remat_choices():
+            self._fail("remat", f"must be one of {remat_choices()}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            self._fail("attention_impl", f"must be one of {ATTENTION_IMPLS}")
+        for name in ("tie_embeddings", "scan_layers"):
+            if not isinstance(getattr(self, name), bool):
+                self._fail(name, "must be True or False")
+
+    # Derived sizes ---------------------------------------------------------------------------
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+    @property
+    def resolved_d_ff(self) -> int:
+        if self.d_ff is not None:
+            return self.d_ff
+        return -(-(8 * self.d_model) // (3 * 64)) * 64
+
+    @property
+    def block_size(self) -> int:
+        """P: layers in one repeated block, lcm(len(mixers), len(ffns))."""
+        return math.lcm(len(self.mixers), len(self.ffns))
+
+    @property
+    def n_repeats(self) -> int:
+        """How many times the block of P layers is repeated (the scan length)."""
+        return self.n_layers // self.block_size
+
+    def with_vocab(self, tokenizer_size: int, multiple: int = 128) -> "ModelConfig":
+        """This config with vocab_size = tokenizer_size rounded up to `multiple` (if it was 0)."""
+        if self.vocab_size:
+            if self.vocab_size < tokenizer_size:
+                raise ValueError(f"ModelConfig.vocab_size={self.vocab_size} is smaller than the "
+                                 f"tokenizer's {tokenizer_size} tokens; raise it or set it to 0")
+            return self
+        return dataclasses.replace(self, vocab_size=padded_vocab_size(tokenizer_size, multiple))

@@ -1,0 +1,125 @@
+"""Building blocks: parameter helper, RMSNorm, RoPE, SwiGLU FFN, embedding lookup and output head.
+
+Shape letters: B batch, T sequence, D d_model, F d_ff, H heads, Dh head_dim, V vocabulary.
+Parameters live in cfg.param_dtype and carry logical axis names (metadata `logical_axes`);
+computation runs in cfg.dtype (parameters are cast at use).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .config import ModelConfig
+from .registry import register_ffn
+
+
+def make_param(rngs: nnx.Rngs, shape: Sequence[int], logical_axes: Sequence[str], std: float,
+               dtype) -> nnx.Param:
+    """A normal(0, std) initialised parameter tagged with its logical axis names."""
+    if len(shape) != len(logical_axes):
+        raise ValueError(f"shape {tuple(shape)} and logical_axes {tuple(logical_axes)} differ "
+                         "in rank")
+    value = jax.random.normal(rngs.params(), tuple(shape), jnp.float32) * std
+    return nnx.Param(value.astype(dtype), logical_axes=tuple(logical_axes))
+
+
+def out_proj_std(cfg: ModelConfig) -> float:
+    """Init std of projections writing into the residual stream (scaled by depth, GPT-2 style)."""
+    return cfg.init_std / (2 * cfg.n_layers) ** 0.5
+
+
+class RMSNorm(nnx.Module):
+    """y = x / rms(x) * scale, computed in float32, returned in x's dtype."""
+
+    def __init__(self, dim: int, *, eps: float = 1e-6, param_dtype="float32"):
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("norm",))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_angles(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos, sin of the rotary angles at integer positions [...]: [..., head_dim // 2] float32."""
+    inv_freq = theta ** (-jnp.arange(0, head_dim // 2, dtype=jnp.float32) * 2.0 / head_dim)
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x_bthd: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding (rotate-half form) of x [B,T,H,Dh] at positions [B,T].
+
+    Rotating queries and keys by their positions makes q.k depend only on the position difference,
+    so per-document positions of packed rows (and cache slots) just work.
+    """
+    head_dim = x_bthd.shape[-1]
+    if head_dim % 2:
+        raise ValueError(f"apply_rope: head_dim must be even, got {head_dim}")
+    if positions_bt.shape != x_bthd.shape[:2]:
+        raise ValueError(f"apply_rope: positions {positions_bt.shape} must be x's [B,T] "
+                         f"{x_bthd.shape[:2]}")
+    cos, sin = rope_angles(positions_bt, head_dim, theta)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # broadcast over heads
+    x1, x2 = jnp.split(x_bthd.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_bthd.dtype)
+
+
+@register_ffn("swiglu")
+class SwiGLU(nnx.Module):
+    """y = (silu(x W_gate) * (x W_up)) W_down with W_gate, W_up [D,F] and W_down [F,D]."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, f = cfg.d_model, cfg.resolved_d_ff
+        self.w_gate = make_param(rngs, (d, f), ("embed", "mlp"), cfg.init_std, cfg.param_dtype)
+        self.w_up = make_param(rngs, (d, f), ("embed", "mlp"), cfg.init_std, cfg.param_dtype)
+        self.w_down = make_param(rngs, (f, d), ("mlp", "embed"), out_proj_std(cfg), cfg.param_dtype)
+
+    def __call__(self, x_btd: jax.Array) -> jax.Array:
+        dt = jnp.dtype(self.cfg.dtype)
+        x = x_btd.astype(dt)
+        gate = x @ self.w_gate[...].astype(dt)
+        up = x @ self.w_up[...].astype(dt)
+        return (jax.nn.silu(gate) * up) @ self.w_down[...].astype(dt)
+
+    def flops_per_token(self) -> float:
+        return 2.0 * 3 * self.cfg.d_model * self.cfg.resolved_d_ff
+
+
+class Embedding(nnx.Module):
+    """Token embedding table [V,D]; `attend` gives the tied output head's logits."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.table = make_param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
+                                cfg.init_std, cfg.param_dtype)
+
+    def __call__(self, tokens_bt: jax.Array) -> jax.Array:
+        return jnp.take(self.table[...], tokens_bt, axis=0).astype(self.cfg.dtype)
+
+    def attend(self, x_btd: jax.Array) -> jax.Array:
+        """Logits [B,T,V] float32 = x @ table^T."""
+        dt = jnp.dtype(self.cfg.dtype)
+        return jnp.einsum("btd,vd->btv", x_btd.astype(dt), self.table[...].astype(dt),
+                          preferred_element_type=jnp.float32)
+
+
+class OutputHead(nnx.Module):
+    """Untied output projection [D,V]; logits in float32."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.kernel = make_param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
+                                 cfg.init_std, cfg.param_dtype)
+
+    def __call__(self, x_btd: jax.Array) -> jax.Array:
+        dt = jnp.dtype(self.cfg.dtype)
+        return jnp.einsum("btd,dv->btv", x_btd.astype(dt), self.kernel[...].astype(dt),
+                          preferred_element_type=jnp.float32)

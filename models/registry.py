@@ -1,0 +1,110 @@
+"""Name -> class registries for token mixers, FFNs and residual schemes.
+
+Adding a new mixer is one new file plus a decorator; the trainer and the Transformer never change:
+
+    @register_mixer("nsa")
+    class NSAttention(nnx.Module): ...
+
+Shape letters: B batch, T new tokens in this call, S cache slots (max_len), D d_model,
+H query heads, K (Hkv) key/value heads, Dh head_dim.
+
+Interfaces (duck-typed; every registered class must follow them):
+
+Mixer -- `cls(cfg: ModelConfig, *, rngs: nnx.Rngs)`
+  `__call__(x [B,T,D], *, positions [B,T] int32, segment_ids [B,T] int32 | None, cache=None)
+      -> (y [B,T,D], new_cache)`
+      Without a cache (training): causal attention restricted to equal segment ids (0 = padding is
+      its own segment); new_cache is None.
+      With a cache (prefill / decode): the T new tokens are written at each row's current length;
+      each query attends to the cached slots < its row's length plus its own causal prefix among
+      the new tokens. segment_ids, when given, marks which new tokens are real (nonzero) and which
+      are right padding (0); a row's length grows by its number of real tokens (all T when None),
+      so the next call overwrites the padding.
+  `init_cache(batch, max_len, dtype) -> pytree` (dense: {"k","v": [B,S,K,Dh], "lengths": [B] int32})
+  `flops_per_token(seq_len) -> float`: forward FLOPs per token at this context length (projection
+      matmuls + attention score/value terms), so sparse mixers are counted honestly.
+
+FFN -- `cls(cfg, *, rngs)`; `__call__(x [B,T,D]) -> y [B,T,D]`; `flops_per_token() -> float`.
+
+Residual scheme -- a per-layer module `cls(cfg, *, rngs)` with
+  `init_carry(cfg, x_embed) -> carry`   classmethod, called once per model with the embeddings
+  `sublayer_input(carry, k) -> h`       k = 0 for the mixer, 1 for the FFN (the layer norms h)
+  `update(carry, out, k) -> carry`      fold the sublayer output into the carry
+  `finalize(cfg, carry) -> x [B,T,D]`   classmethod, model level, before the final norm
+  The carry is any pytree; it flows through the layer scan.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
+MIXERS: dict[str, type] = {}
+FFNS: dict[str, type] = {}
+RESIDUALS: dict[str, type] = {}
+
+_KINDS = {"mixer": MIXERS, "ffn": FFNS, "residual": RESIDUALS}
+
+C = TypeVar("C", bound=type)
+
+
+def _register(kind: str, name: str) -> Callable[[C], C]:
+    table = _KINDS[kind]
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"register_{kind}: name must be a non-empty string, got {name!r}")
+
+    def decorator(cls: C) -> C:
+        if name in table and table[name] is not cls:
+            owner = f"{table[name].__module__}.{table[name].__qualname__}"
+            raise ValueError(f"register_{kind}: {name!r} is already registered to {owner}; "
+                             "pick another name")
+        table[name] = cls
+        return cls
+
+    return decorator
+
+
+def register_mixer(name: str) -> Callable[[C], C]:
+    """Class decorator: makes a token mixer available as `ModelConfig(mixers=(name, ...))`."""
+    return _register("mixer", name)
+
+
+def register_ffn(name: str) -> Callable[[C], C]:
+    """Class decorator: makes an FFN available as `ModelConfig(ffns=(name, ...))`."""
+    return _register("ffn", name)
+
+
+def register_residual(name: str) -> Callable[[C], C]:
+    """Class decorator: makes a residual scheme available as `ModelConfig(residual=name)`."""
+    return _register("residual", name)
+
+
+def load_builtins() -> None:
+    """Imports the modules that register the built-in mixers, FFNs and residual schemes."""
+    from . import layers, residual  # noqa: F401  (registration side effects)
+    from . import attention  # noqa: F401
+
+
+def _get(kind: str, name: str) -> type:
+    load_builtins()
+    table = _KINDS[kind]
+    if name not in table:
+        raise ValueError(f"unknown {kind} {name!r}; registered {kind}s: {sorted(table)}")
+    return table[name]
+
+
+def get_mixer(name: str) -> type:
+    return _get("mixer", name)
+
+
+def get_ffn(name: str) -> type:
+    return _get("ffn", name)
+
+
+def get_residual(name: str) -> type:
+    return _get("residual", name)
+
+
+def registered(kind: str) -> list[str]:
+    """Sorted registered names of one kind: 'mixer', 'ffn' or 'residual'."""
+    load_builtins()
+    return sorted(_KINDS[kind])

@@ -1,0 +1,89 @@
+"""Config: presets, overrides, validation errors that name the key, JSON round trip."""
+
+import json
+
+import pytest
+
+from aiinfra_jax.config import (Config, ConfigError, apply_overrides, from_dict, load_config,
+                                load_preset, to_dict)
+from aiinfra_jax.train import main
+
+
+def test_defaults_and_tiny_preset_are_valid():
+    assert isinstance(Config(), Config)
+    cfg = load_preset("configs/tiny.py")
+    assert cfg.run.name == "tiny"
+    # `configs/tiny` without a suffix finds the file too
+    assert load_preset("configs/tiny") == cfg
+
+
+def test_overrides_parse_by_field_type():
+    cfg = load_config("configs/tiny.py", ["model.d_model=128", "optim.lr=3e-4",
+                                          "checkpoint.async_save=false", "run.name=x",
+                                          "model.mixers=dense,dense", "model.head_dim=none"])
+    assert cfg.model.d_model == 128 and isinstance(cfg.model.d_model, int)
+    assert cfg.optim.lr == pytest.approx(3e-4)
+    assert cfg.checkpoint.async_save is False
+    assert cfg.run.name == "x"
+    assert cfg.model.mixers == ("dense", "dense")
+    assert cfg.model.head_dim is None
+    # untouched fields keep the preset's values
+    assert cfg.data.seq_len == load_preset("configs/tiny.py").data.seq_len
+
+
+def test_unknown_key_names_it_and_suggests():
+    with pytest.raises(ConfigError, match=r"model\.d_modle.*d_model"):
+        apply_overrides(Config(), ["model.d_modle=3"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'modle'"):
+        apply_overrides(Config(), ["modle.d_model=3"])
+
+
+def test_wrong_type_names_key_and_type():
+    with pytest.raises(ConfigError, match=r"model\.d_model='abc'.*int"):
+        apply_overrides(Config(), ["model.d_model=abc"])
+    with pytest.raises(ConfigError, match=r"checkpoint\.async_save.*bool"):
+        apply_overrides(Config(), ["checkpoint.async_save=maybe"])
+    with pytest.raises(ConfigError, match="key=value"):
+        apply_overrides(Config(), ["model.d_model"])
+
+
+def test_inconsistent_combinations_fail_before_compiling():
+    with pytest.raises(ValueError, match="n_heads"):
+        apply_overrides(Config(), ["model.d_model=250", "model.n_heads=4"])
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        apply_overrides(Config(), ["model.n_heads=4", "model.n_kv_heads=3"])
+    with pytest.raises(ValueError, match="grad_accum"):
+        apply_overrides(Config(), ["data.batch_size=6", "optim.grad_accum=4"])
+    with pytest.raises(ValueError, match="mixers"):
+        apply_overrides(Config(), ["model.mixers=nonexistent"])
+    with pytest.raises(ValueError, match="optim.schedule.*cosine"):
+        apply_overrides(Config(), ["optim.schedule=triangle"])
+
+
+def test_yaml_preset(tmp_path):
+    p = tmp_path / "small.yaml"
+    p.write_text("model:\n  d_model: 128\n  n_layers: 2\nrun:\n  steps: 7\n")
+    cfg = load_preset(p)
+    assert (cfg.model.d_model, cfg.model.n_layers, cfg.run.steps) == (128, 2, 7)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  n_layer: 2\n")
+    with pytest.raises(ConfigError, match="n_layer"):
+        load_preset(bad)
+
+
+def test_missing_preset_lists_presets():
+    with pytest.raises(ConfigError, match="tiny.py"):
+        load_preset("configs/does_not_exist.py")
+
+
+def test_json_round_trip():
+    cfg = load_config("configs/tiny.py", ["model.mixers=dense,dense", "run.steps=5"])
+    d = json.loads(json.dumps(to_dict(cfg)))
+    assert from_dict(d) == cfg
+
+
+def test_cli_reports_config_errors(capsys):
+    assert main(["--config", "configs/tiny.py", "--set", "model.bogus=1"]) == 2
+    assert "model.bogus" in capsys.readouterr().err
+    assert main(["--config", "configs/tiny.py", "--set", "run.steps=3", "--print-config"]) == 0
+    assert json.loads(capsys.readouterr().out)["run"]["steps"] == 3

@@ -1,0 +1,126 @@
+"""The training loop end to end: loss drops, checkpoints, exact resume, NaN stop, meshes, run dirs."""
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from aiinfra_jax.config import ConfigError, load_config
+from aiinfra_jax.train import NonFiniteError, choose_run_dir, train
+
+TINY = [
+    "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1",
+    "data.seq_len=32", "data.batch_size=8", "optim.warmup_steps=2", "optim.lr=3e-3",
+    "eval.every=0", "eval.batches=2", "eval.final_batches=2", "run.progress=false",
+    "mesh.num_devices=1",  # one device unless a test asks for the mesh: much faster on 2 cores
+]
+
+
+def tiny(tmp_path, *extra):
+    return load_config("configs/tiny.py", TINY + [f"run.output_dir={tmp_path}"] + list(extra))
+
+
+def losses(summary):
+    return {r["step"]: r["loss"] for r in summary["history"]}
+
+
+def test_end_to_end_trains_checkpoints_and_evaluates(tmp_path):
+    cfg = tiny(tmp_path, "run.steps=40", "run.log_every=5", "optim.lr=1e-2",
+               "checkpoint.every=20", "eval.every=20")
+    s = train(cfg, quiet=True)
+    l = losses(s)
+    assert l[40] < l[5] - 0.5, l  # bytes start near ln(384) = 5.95
+    run = Path(s["run_dir"])
+    assert (run / "config.json").exists() and (run / "eval.json").exists()
+    assert json.loads((run / "config.json").read_text())["model"]["vocab_size"] == 384
+    lines = [json.loads(x) for x in (run / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert any("val/loss" in x for x in lines)
+    assert {"loss", "grad_norm", "lr", "tokens_per_sec", "mfu", "perplexity"} <= set(lines[0])
+    assert list((run / "logs").glob("events.out.tfevents*"))
+    assert np.isfinite(s["validation"]["loss"]) and s["validation"]["tokens"] > 0
+    # the perplexity CLI reads the checkpoint back and gives the loop's number
+    from aiinfra_jax.eval.perplexity import evaluate_checkpoint
+    res = evaluate_checkpoint(run, batches=2)
+    assert res["step"] == 40
+    assert res["loss"] == pytest.approx(s["validation"]["loss"], rel=1e-5)
+    # a second identical command leaves the finished run alone and starts run-2
+    assert choose_run_dir(cfg) == (tmp_path / "tiny-2", False)
+
+
+def test_stopped_and_resumed_run_matches_uninterrupted(tmp_path):
+    common = ["run.steps=10", "run.log_every=1", "checkpoint.every=0"]
+    full = train(tiny(tmp_path / "a", *common), quiet=True)
+    part = train(tiny(tmp_path / "b", *common), stop_after=4, quiet=True)
+    assert not part["finished"] and part["step"] == 4
+    rest = train(tiny(tmp_path / "b", *common), quiet=True)
+    assert rest["start_step"] == 4 and rest["run_dir"] == part["run_dir"]
+    a, b = losses(full), {**losses(part), **losses(rest)}
+    assert sorted(b) == list(range(1, 11))
+    for step in range(1, 11):
+        assert b[step] == a[step], (step, a[step], b[step])
+
+
+def test_sharded_run_matches_single_device(tmp_path):
+    common = ["run.steps=3", "run.log_every=1", "checkpoint.every=0", "optim.grad_accum=2"]
+    one = train(tiny(tmp_path / "one", *common, "mesh.num_devices=1"), quiet=True)
+    eight = train(tiny(tmp_path / "eight", *common, "mesh.num_devices=8", "mesh.data=2",
+                       "mesh.fsdp=2", "mesh.tensor=2"), quiet=True)
+    for step, loss in losses(one).items():
+        assert losses(eight)[step] == pytest.approx(loss, rel=2e-5), step
+
+
+def test_non_finite_loss_stops_naming_the_step_and_keeps_checkpoint(tmp_path):
+    cfg = tiny(tmp_path, "run.steps=20", "run.log_every=1", "checkpoint.every=1",
+               "optim.lr=1e30", "optim.warmup_steps=0", "optim.grad_clip=0",
+               "checkpoint.async_save=false")
+    with pytest.raises(NonFiniteError, match=r"step \d+: the loss or the gradients are not finite"):
+        train(cfg, quiet=True)
+    ckpts = [p for p in (tmp_path / "tiny" / "checkpoints").iterdir() if p.name.isdigit()]
+    assert ckpts, "the last good checkpoint must be kept"
+
+
+def test_sigterm_saves_and_exits_cleanly(tmp_path):
+    cfg = tiny(tmp_path, "run.steps=100000", "run.log_every=1", "checkpoint.every=0")
+    metrics = tmp_path / "tiny" / "logs" / "metrics.jsonl"
+
+    def killer():
+        deadline = time.time() + 120
+        while time.time() < deadline and not (metrics.exists() and metrics.stat().st_size):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=killer, daemon=True).start()
+    s = train(cfg, quiet=True)
+    assert not s["finished"] and 0 < s["step"] < 100000
+    steps = [int(p.name) for p in (tmp_path / "tiny" / "checkpoints").iterdir() if p.name.isdigit()]
+    assert s["step"] in steps
+
+
+def test_resume_refuses_incompatible_model(tmp_path):
+    run_dir = tmp_path / "r"
+    train(tiny(tmp_path, "run.steps=2", f"run.run_dir={run_dir}", "checkpoint.every=0"),
+          stop_after=1, quiet=True)
+    with pytest.raises(Exception, match="d_model"):
+        train(tiny(tmp_path, "run.steps=2", f"run.run_dir={run_dir}", "model.d_model=64",
+                   "model.n_heads=2"), quiet=True)
+    # the checkpoint is still there
+    assert [p for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()]
+
+
+def test_run_directory_choice(tmp_path):
+    cfg = tiny(tmp_path, "run.steps=5")
+    assert choose_run_dir(cfg) == (tmp_path / "tiny", False)
+    (tmp_path / "tiny" / "checkpoints" / "3").mkdir(parents=True)
+    assert choose_run_dir(cfg) == (tmp_path / "tiny", True)  # unfinished: resume
+    (tmp_path / "tiny" / "summary.json").write_text("{}")
+    assert choose_run_dir(cfg) == (tmp_path / "tiny-2", False)  # finished: a new directory
+    never = tiny(tmp_path, "run.resume=never")
+    (tmp_path / "tiny-2").mkdir()
+    assert choose_run_dir(never) == (tmp_path / "tiny-3", False)
+    with pytest.raises(ConfigError, match="require"):
+        choose_run_dir(tiny(tmp_path / "empty", "run.resume=require"))

@@ -1,0 +1,41 @@
+"""DataConfig validation."""
+
+import pytest
+
+from aiinfra_jax.data.config import DataConfig
+
+
+def test_defaults_and_coercion():
+    cfg = DataConfig()
+    assert cfg.sources == ("embedded",) and cfg.seq_len == 256 and cfg.batch_size == 16
+    cfg = DataConfig(sources=["a", "b"], weights=[1, 3])
+    assert cfg.sources == ("a", "b") and cfg.weights == (1, 3)
+    assert cfg.mixture_weights == (0.25, 0.75)
+    assert DataConfig(sources=("a", "b")).mixture_weights == (0.5, 0.5)
+    hash(cfg)
+
+
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        ({"sources": ()}, r"DataConfig.sources=\(\) must be a non-empty tuple"),
+        ({"sources": "embedded"}, r"DataConfig.sources='embedded' must be a tuple.*\('embedded',\)"),
+        ({"sources": ("embedded", "")}, r"sources contains ''"),
+        ({"weights": (1.0, 2.0)}, r"DataConfig.weights=\(1.0, 2.0\) has 2 entries but there are 1 sources"),
+        ({"sources": ("a", "b"), "weights": (1.0, -1.0)}, r"finite number > 0, got -1.0"),
+        ({"sources": ("a", "b"), "weights": (1.0, float("nan"))}, r"finite number > 0, got nan"),
+        ({"text_field": ""}, r"DataConfig.text_field='' must be a non-empty string"),
+        ({"tokenizer": ""}, r"DataConfig.tokenizer='' must be 'byte' or a path"),
+        ({"seq_len": 0}, r"DataConfig.seq_len=0 must be an integer >= 1"),
+        ({"seq_len": 8.0}, r"DataConfig.seq_len=8.0 must be an integer >= 1"),
+        ({"batch_size": True}, r"DataConfig.batch_size=True must be an integer >= 1"),
+        ({"shuffle_seed": -3}, r"DataConfig.shuffle_seed=-3 must be an integer >= 0"),
+        ({"num_workers": -1}, r"DataConfig.num_workers=-1 must be an integer >= 0"),
+        ({"val_fraction": 1.0}, r"DataConfig.val_fraction=1.0 must be a number in \[0, 1\)"),
+        ({"val_fraction": -0.1}, r"DataConfig.val_fraction=-0.1 must be a number in \[0, 1\)"),
+        ({"long_documents": "truncate"}, r"DataConfig.long_documents='truncate' is not one of \('split', 'error'\)"),
+    ],
+)
+def test_validation_errors(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        DataConfig(**kwargs)
