@@ -50,16 +50,6 @@ log = logging.getLogger("aiinfra_jax.train")
 # ----------------------------------------------------------------------------- model and optimizer
 
 
-def resolve_model_config(cfg: ModelConfig, vocab_size: int) -> ModelConfig:
-    """Fills vocab_size=0 from the tokenizer (rounded up to a multiple of 128); checks it covers it."""
-    if cfg.vocab_size == 0:
-        return dataclasses.replace(cfg, vocab_size=-(-vocab_size // 128) * 128)
-    if cfg.vocab_size < vocab_size:
-        raise ConfigError(f"model.vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
-                          f"{vocab_size} ids; set model.vocab_size=0 to take it from the tokenizer")
-    return cfg
-
-
 def abstract_model(cfg: ModelConfig, seed: int = 0):
     """(graphdef, abstract param State, rest) of the model without allocating anything."""
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)))
@@ -308,8 +298,11 @@ class Trainer:
     def __init__(self, cfg: Config):
         shd.maybe_initialize_distributed(cfg.mesh)
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
-        cfg = dataclasses.replace(cfg, model=resolve_model_config(cfg.model,
-                                                                  self.tokenizer.vocab_size))
+        try:  # vocab_size=0 means the tokenizer's size, rounded up to a multiple of 128
+            model_cfg = cfg.model.with_vocab(self.tokenizer.vocab_size)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        cfg = dataclasses.replace(cfg, model=model_cfg)
         self.cfg = cfg
         self.mesh = shd.make_mesh(cfg.mesh)
         dp = shd.data_parallel_size(self.mesh)

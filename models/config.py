@@ -31,6 +31,56 @@ def remat_choices() -> tuple[str, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
+class NSAConfig:
+    """Native Sparse Attention (arXiv 2502.11089) settings, used by layers whose mixer is "nsa".
+
+    Sizes: compression blocks of length cmp_block_len (l) with stride cmp_stride (d); selection
+    blocks of length sel_block_size (l'), n_selected (n) of them per query and KV group, the n_init
+    initial and n_local local blocks always among them; a sliding window of `window` (w) keys.
+    """
+
+    cmp_block_len: int = 32
+    cmp_stride: int = 16
+    sel_block_size: int = 64
+    n_selected: int = 16
+    n_init: int = 1
+    n_local: int = 2
+    window: int = 512
+    separate_kv: bool = True  # separate K/V projections per branch (the paper's recommendation)
+    remap: str = "overlap"  # "overlap" | "eq9": compression -> selection score remap
+
+    def __post_init__(self):
+        for name in ("cmp_block_len", "cmp_stride", "sel_block_size", "n_selected", "window"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"NSAConfig.{name}={v!r}: must be a positive int")
+        for name in ("n_init", "n_local"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"NSAConfig.{name}={v!r}: must be a non-negative int")
+        if self.cmp_stride > self.cmp_block_len:
+            raise ValueError(f"NSAConfig.cmp_stride={self.cmp_stride}: must be <= cmp_block_len="
+                             f"{self.cmp_block_len} (blocks overlap or touch, never leave gaps)")
+        if self.n_init + self.n_local > self.n_selected:
+            raise ValueError(f"NSAConfig.n_selected={self.n_selected}: must be >= n_init + n_local "
+                             f"= {self.n_init + self.n_local} (the always-selected blocks)")
+        if self.remap not in ("overlap", "eq9"):
+            raise ValueError(f"NSAConfig.remap={self.remap!r}: valid choices: 'overlap', 'eq9'")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnResConfig:
+    """Attention Residuals (arXiv 2603.15031) settings, used when residual is "attnres_*"."""
+
+    n_blocks: int = 8  # Block AttnRes: layers are grouped into this many blocks
+    implementation: str | None = None  # depth-attention kernel: None | "xla" | "pallas_gpu" | "pallas_tpu"
+
+    def __post_init__(self):
+        if not isinstance(self.n_blocks, int) or isinstance(self.n_blocks, bool) or self.n_blocks <= 0:
+            raise ValueError(f"AttnResConfig.n_blocks={self.n_blocks!r}: must be a positive int")
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int = 0  # 0 = the tokenizer's size rounded up to 128 (filled in by the trainer)
     d_model: int = 256
@@ -51,6 +101,8 @@ class ModelConfig:
     scan_layers: bool = True
     init_std: float = 0.02
     max_seq_len: int = 4096  # used only for checks and cache sizes
+    nsa: NSAConfig = NSAConfig()
+    attnres: AttnResConfig = AttnResConfig()
     # Dense attention backend of jax.nn.dot_product_attention: None = cuDNN on a GPU for bfloat16 /
     # float16 compute when the shapes allow it (falling back to XLA with a logged warning if cuDNN
     # cannot trace), XLA otherwise; "xla" or "cudnn" force one ("cudnn" raises where unavailable).
