@@ -1,0 +1,277 @@
+"""Kernel microbenchmark: each op x implementation x sequence length, forward and forward+backward.
+
+    python -m aiinfra_jax.eval.bench_kernels [--lengths 4k,8k,16k,32k] [--impls auto]
+        [--ops sparse,window,compressed,select] [--heads 16 --kv-heads 1 --head-dim 128]
+        [--block 64 --n 16] [--dtype float32] [--repeats 3] [--out-dir runs/bench_kernels]
+    make bench-kernels ARGS="--lengths 4k,8k"
+
+Ops, at NSA's default shapes (one GQA group of 16 query heads over 1 KV head, block 64, n = 16):
+  sparse      sparse_attention over n selected blocks per query (random causal selections that always
+              hold the first and the query's own block)
+  window      flash_attention with a sliding window of 512 keys (NSA's window branch)
+  compressed  flash_attention over T/16 compressed keys with the compressed-causal mask (l=32, d=16)
+  select      select_blocks (scores from q, compressed keys and lse; top-n), forward only
+  dense       the baseline: the fastest dense causal attention that fits: jax.nn.dot_product_attention
+              while its [B,H,T,T] float32 score matrix fits in --dense-materialise-gb, otherwise this
+              library's chunked flash_attention with a causal mask; the table says which.
+
+Reported per row: median time over --repeats timed calls after a warm-up call (calls longer than
+--long-call-s are timed once after compilation, and the row says so), achieved FLOP/s and bytes/s
+against the op's own FLOP and byte counts (kernels' *_flops / *_bytes helpers), the speed-up over the
+dense baseline at the same T, and the FLOP ratio (the limit a compute-bound kernel can reach). Writes
+results.json, results.md and time_vs_length.png to --out-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from aiinfra_jax.kernels.block_selection import select_blocks
+from aiinfra_jax.kernels.flash_attention import (AttentionMask, flash_attention,
+                                                 flash_attention_bytes, flash_attention_flops)
+from aiinfra_jax.kernels.sparse_attention import (sparse_attention, sparse_attention_bytes,
+                                                  sparse_attention_flops)
+
+WINDOW = 512
+CMP_LEN, CMP_STRIDE = 32, 16
+
+
+def parse_lengths(text: str) -> list[int]:
+    out = []
+    for tok in text.split(","):
+        tok = tok.strip().lower()
+        out.append(int(float(tok[:-1]) * 1024) if tok.endswith("k") else int(tok))
+    return out
+
+
+def random_selection(rng: np.random.Generator, B: int, T: int, Hkv: int, n: int,
+                     block: int) -> np.ndarray:
+    """Causal selections: slot 0 = block 0, slot 1 = the query's own block, the rest uniform in
+    [0, own block] (duplicates allowed; the op counts a repeated block once)."""
+    own = (np.arange(T) // block)[None, :, None, None]
+    idx = (rng.random((B, T, Hkv, n)) * (own + 1)).astype(np.int32)
+    idx[..., 0] = 0
+    idx[..., 1] = own[..., 0]
+    return idx
+
+
+def _time(fn, args, repeats: int, long_call_s: float) -> tuple[float, int, str]:
+    """(median seconds, timed calls, note). fn is AOT-compiled, so compilation is never timed."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    first = time.perf_counter() - t0
+    if first > long_call_s:
+        return first, 1, "1 call (long)"
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), repeats, f"median of {repeats}"
+
+
+def _compile(f, *args):
+    compiled = jax.jit(f).lower(*args).compile()
+    try:
+        mem = compiled.memory_analysis()
+        temp = int(getattr(mem, "temp_size_in_bytes", 0))
+    except Exception:  # not every backend reports it
+        temp = -1
+    return compiled, temp
+
+
+def _fwd_bwd(attn):
+    def loss(q, k, v, ct):
+        return jnp.sum(attn(q, k, v).astype(jnp.float32) * ct)
+    return jax.grad(loss, argnums=(0, 1, 2))
+
+
+def bench_length(T: int, args, impl: str | None, rng: np.random.Generator) -> list[dict]:
+    B, H, Hkv, D = 1, args.heads, args.kv_heads, args.head_dim
+    dt = jnp.dtype(args.dtype)
+    key = jax.random.PRNGKey(T)
+    kq, kk, kv, kc, kcc = jax.random.split(key, 5)
+    q = jax.random.normal(kq, (B, T, H, D), dt)
+    k = jax.random.normal(kk, (B, T, Hkv, D), dt)
+    v = jax.random.normal(kv, (B, T, Hkv, D), dt)
+    ct = jax.random.normal(kc, (B, T, H, D), jnp.float32)
+    rows = []
+
+    def run(op: str, attn, flops_f, flops_b, bytes_f, bytes_b, baseline_note="", kv=(k, v)):
+        for mode in ("fwd", "fwd+bwd"):
+            call_args = (q, *kv) if mode == "fwd" else (q, *kv, ct)
+            fn, temp = _compile(attn if mode == "fwd" else _fwd_bwd(attn), *call_args)
+            sec, calls, note = _time(fn, call_args, args.repeats, args.long_call_s)
+            flops = flops_f if mode == "fwd" else flops_f + flops_b
+            nbytes = bytes_f if mode == "fwd" else bytes_f + bytes_b
+            rows.append({"op": op, "impl": impl or "auto", "T": T, "mode": mode, "seconds": sec,
+                         "timing": note, "flops": flops, "bytes": nbytes,
+                         "flop_per_s": flops / sec, "bytes_per_s": nbytes / sec,
+                         "temp_bytes": temp, "baseline": baseline_note})
+            print(f"  T={T:>6} {op:<11} {mode:<8} {sec * 1e3:10.1f} ms  "
+                  f"{flops / sec / 1e9:8.1f} GFLOP/s  temp {temp / 2**20:8.1f} MiB  ({note})",
+                  flush=True)
+
+    # dense causal baseline
+    causal = AttentionMask(causal=True)
+    dense_ff = flash_attention_flops(B, T, T, H, D, D, causal)
+    dense_fb = flash_attention_flops(B, T, T, H, D, D, causal, backward=True)
+    dense_bf = flash_attention_bytes(B, T, T, H, Hkv, D, D, dtype=dt)
+    dense_bb = flash_attention_bytes(B, T, T, H, Hkv, D, D, dtype=dt, backward=True)
+    if "dense" in args.ops:
+        score_gb = B * H * T * T * 4 / 2**30
+        if score_gb <= args.dense_materialise_gb:
+            which = "jax.nn.dot_product_attention"
+            attn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        else:
+            which = "flash_attention(causal) [scores do not fit]"
+            attn = lambda q, k, v: flash_attention(q, k, v, mask=causal, implementation=impl)
+        run("dense", attn, dense_ff, dense_fb, dense_bf, dense_bb, which)
+
+    if "sparse" in args.ops:
+        idx = jnp.asarray(random_selection(rng, B, T, Hkv, args.n, args.block))
+        attn = lambda q, k, v: sparse_attention(q, k, v, idx, block_size=args.block,
+                                                implementation=impl)
+        run("sparse", attn,
+            sparse_attention_flops(B, T, H, D, D, args.n, args.block),
+            sparse_attention_flops(B, T, H, D, D, args.n, args.block, backward=True),
+            sparse_attention_bytes(B, T, H, D, D, args.n, args.block, Hkv=Hkv,
+                                   itemsize=dt.itemsize),
+            sparse_attention_bytes(B, T, H, D, D, args.n, args.block, backward=True, Hkv=Hkv,
+                                   itemsize=dt.itemsize))
+
+    if "window" in args.ops:
+        m = AttentionMask(causal=True, window=WINDOW)
+        attn = lambda q, k, v: flash_attention(q, k, v, mask=m, implementation=impl)
+        run("window", attn, flash_attention_flops(B, T, T, H, D, D, m),
+            flash_attention_flops(B, T, T, H, D, D, m, backward=True),
+            flash_attention_bytes(B, T, T, H, Hkv, D, D, dtype=dt),
+            flash_attention_bytes(B, T, T, H, Hkv, D, D, dtype=dt, backward=True))
+
+    Sc = max((T - CMP_LEN) // CMP_STRIDE + 1, 1)
+    kcmp = jax.random.normal(kcc, (B, Sc, Hkv, D), dt)
+    mc = AttentionMask(causal=False, compressed=(CMP_LEN, CMP_STRIDE))
+    if "compressed" in args.ops:
+        vcmp = kcmp[..., ::-1]
+        attn = lambda q, k, v: flash_attention(q, k, v, mask=mc, implementation=impl)
+        run("compressed", attn, flash_attention_flops(B, T, Sc, H, D, D, mc),
+            flash_attention_flops(B, T, Sc, H, D, D, mc, backward=True),
+            flash_attention_bytes(B, T, Sc, H, Hkv, D, D, dtype=dt),
+            flash_attention_bytes(B, T, Sc, H, Hkv, D, D, dtype=dt, backward=True),
+            kv=(kcmp, vcmp))
+
+    if "select" in args.ops:
+        _, lse = flash_attention(q, kcmp, kcmp, mask=mc, return_lse=True, implementation=impl)
+        sel = lambda q, kc, lse: select_blocks(q, kc, lse, seq_len=T, cmp_block_len=CMP_LEN,
+                                               cmp_stride=CMP_STRIDE, block_size=args.block,
+                                               n_selected=args.n, implementation=impl)
+        fn, temp = _compile(sel, q, kcmp, lse)
+        sec, calls, note = _time(fn, (q, kcmp, lse), args.repeats, args.long_call_s)
+        flops = flash_attention_flops(B, T, Sc, H, D, 0, mc)  # q.k_cmp recompute
+        nbytes = (q.size + kcmp.size) * dt.itemsize + lse.size * 4 + B * T * Hkv * args.n * 4
+        rows.append({"op": "select", "impl": impl or "auto", "T": T, "mode": "fwd",
+                     "seconds": sec, "timing": note, "flops": flops, "bytes": nbytes,
+                     "flop_per_s": flops / sec, "bytes_per_s": nbytes / sec, "temp_bytes": temp,
+                     "baseline": ""})
+        print(f"  T={T:>6} {'select':<11} {'fwd':<8} {sec * 1e3:10.1f} ms  ({note})", flush=True)
+
+    # ratios against the dense baseline of the same T and mode
+    dense = {r["mode"]: r for r in rows if r["op"] == "dense"}
+    for r in rows:
+        d = dense.get(r["mode"])
+        if d and r["op"] != "dense":
+            r["speedup_vs_dense"] = d["seconds"] / r["seconds"]
+            r["flop_ratio_vs_dense"] = d["flops"] / r["flops"] if r["flops"] else None
+    return rows
+
+
+def write_outputs(rows: list[dict], meta: dict, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    lines = [f"Device: {meta['device']}; dtype {meta['dtype']}; B=1, Hq={meta['heads']}, "
+             f"Hkv={meta['kv_heads']}, D={meta['head_dim']}, block {meta['block']}, "
+             f"n={meta['n']}; {meta['date']}", "",
+             "| op | T | mode | time (ms) | GFLOP/s | GB/s | temp MiB | speed-up vs dense | "
+             "FLOP ratio | timing |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        su = f"{r['speedup_vs_dense']:.2f}x" if r.get("speedup_vs_dense") else ""
+        fr = f"{r['flop_ratio_vs_dense']:.1f}x" if r.get("flop_ratio_vs_dense") else ""
+        op = r["op"] + (f" ({r['baseline']})" if r["baseline"] else "")
+        lines.append(f"| {op} | {r['T']} | {r['mode']} | {r['seconds'] * 1e3:.1f} | "
+                     f"{r['flop_per_s'] / 1e9:.1f} | {r['bytes_per_s'] / 1e9:.2f} | "
+                     f"{r['temp_bytes'] / 2**20:.0f} | {su} | {fr} | {r['timing']} |")
+    (out_dir / "results.md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for op in sorted({r["op"] for r in rows}):
+            for mode, style in (("fwd", "-o"), ("fwd+bwd", "--s")):
+                pts = sorted((r["T"], r["seconds"]) for r in rows
+                             if r["op"] == op and r["mode"] == mode)
+                if pts:
+                    ax.plot(*zip(*pts), style, label=f"{op} {mode}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length T")
+        ax.set_ylabel("seconds")
+        ax.set_title(f"kernels on {meta['device']}")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out_dir / "time_vs_length.png", dpi=120)
+        plt.close(fig)
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", default="4k,8k,16k,32k")
+    ap.add_argument("--ops", default="dense,sparse,window,compressed,select")
+    ap.add_argument("--impls", default="auto",
+                    help="comma list of auto,xla,pallas_gpu,pallas_tpu")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=1)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block", type=int, default=64)
+    ap.add_argument("--n", type=int, default=16)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--long-call-s", type=float, default=10.0)
+    ap.add_argument("--dense-materialise-gb", type=float, default=4.0)
+    ap.add_argument("--out-dir", default="runs/bench_kernels")
+    args = ap.parse_args(argv)
+    args.ops = [o.strip() for o in args.ops.split(",")]
+    d = jax.devices()[0]
+    device = f"{d.device_kind} ({jax.default_backend()}, {jax.device_count()} device(s), jax {jax.__version__})"
+    print(f"device: {device}", flush=True)
+    rng = np.random.default_rng(0)
+    rows = []
+    for impl_name in args.impls.split(","):
+        impl = None if impl_name == "auto" else impl_name
+        for T in parse_lengths(args.lengths):
+            rows += bench_length(T, args, impl, rng)
+    meta = {"device": device, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+            "dtype": args.dtype, "heads": args.heads, "kv_heads": args.kv_heads,
+            "head_dim": args.head_dim, "block": args.block, "n": args.n,
+            "command": "python -m aiinfra_jax.eval.bench_kernels " + " ".join(argv or sys.argv[1:])}
+    out = Path(args.out_dir)
+    write_outputs(rows, meta, out)
+    print((out / "results.md").read_text())
+    print(f"wrote {out}/results.json, results.md, time_vs_length.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""Public NSA block selection: score selection blocks from the compressed branch, pick top-n.
+
+Letters: B batch, T queries, Sc compressed tokens, Hq query heads, Hkv KV heads (G = Hq / Hkv),
+Dk head dim, nb = ceil(seq_len / block_size) selection blocks, n = n_selected.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from aiinfra_jax.kernels import _dispatch
+from aiinfra_jax.kernels.block_selection import xla as xla_impl
+from aiinfra_jax.kernels.block_selection.reference import (REMAPS, Remap,
+                                                           doc_start_positions)
+
+_OP = "select_blocks"
+_FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _positive_int(x, name: str, minimum: int = 1):
+    if not isinstance(x, (int, np.integer)) or isinstance(x, bool) or x < minimum:
+        raise ValueError(f"{_OP}: {name} must be an int >= {minimum}, got {x!r}")
+
+
+def _validate(q, k_cmp, lse_cmp, seq_len, cmp_block_len, cmp_stride, block_size, n_selected,
+              n_init, n_local, remap, scale, q_offset, q_segment_ids):
+    for name, x, rank, layout in (("q", q, 4, "[B,T,Hq,Dk]"), ("k_cmp", k_cmp, 4, "[B,Sc,Hkv,Dk]"),
+                                  ("lse_cmp", lse_cmp, 3, "[B,T,Hq]")):
+        if not hasattr(x, "shape"):
+            raise ValueError(f"{_OP}: {name} must be an array, got {type(x).__name__}")
+        if len(x.shape) != rank:
+            raise ValueError(f"{_OP}: {name} must have rank {rank} {layout}, got shape "
+                             f"{list(x.shape)}")
+    b, t, hq, dk = q.shape
+    if k_cmp.shape[0] != b or k_cmp.shape[3] != dk:
+        raise ValueError(f"{_OP}: k_cmp shape {list(k_cmp.shape)} must be [B={b}, Sc, Hkv, "
+                         f"Dk={dk}]")
+    if k_cmp.shape[1] <= 0 or t <= 0:
+        raise ValueError(f"{_OP}: q and k_cmp need non-empty T and Sc, got T={t}, "
+                         f"Sc={k_cmp.shape[1]}")
+    if hq % k_cmp.shape[2]:
+        raise ValueError(f"{_OP}: q heads Hq={hq} must be a multiple of k_cmp heads "
+                         f"Hkv={k_cmp.shape[2]}")
+    if tuple(lse_cmp.shape) != (b, t, hq):
+        raise ValueError(f"{_OP}: lse_cmp must have shape {[b, t, hq]} [B,T,Hq], got "
+                         f"{list(lse_cmp.shape)}")
+    for name, x in (("q", q), ("k_cmp", k_cmp)):
+        if jnp.dtype(x.dtype).name not in _FLOAT_DTYPES:
+            raise ValueError(f"{_OP}: {name}.dtype must be one of {_FLOAT_DTYPES}, got {x.dtype}")
+    if k_cmp.dtype != q.dtype:
+        raise ValueError(f"{_OP}: k_cmp.dtype {k_cmp.dtype} must match q.dtype {q.dtype}")
+    _positive_int(seq_len, "seq_len")
+    _positive_int(cmp_stride, "cmp_stride")
+    _positive_int(cmp_block_len, "cmp_block_len", cmp_stride)
+    _positive_int(block_size, "block_size")
+    _positive_int(n_selected, "n_selected")
+    _positive_int(n_init, "n_init", 0)
+    _positive_int(n_local, "n_local", 0)
+    if n_init + n_local > n_selected:
+        raise ValueError(f"{_OP}: n_init + n_local = {n_init + n_local} forced blocks exceed "
+                         f"n_selected={n_selected}; lower n_init/n_local or raise n_selected")
+    if remap not in REMAPS:
+        raise ValueError(f"{_OP}: remap must be one of {REMAPS}, got {remap!r}")
+    if remap == "eq9" and (cmp_block_len % cmp_stride or block_size % cmp_stride):
+        raise ValueError(f"{_OP}: remap='eq9' needs cmp_stride | cmp_block_len and cmp_stride | "
+                         f"block_size (got l={cmp_block_len}, d={cmp_stride}, l'={block_size}); "
+                         f"use remap='overlap'")
+    if scale is not None and (not isinstance(scale, (int, float, np.floating)) or scale <= 0):
+        raise ValueError(f"{_OP}: scale must be a positive Python float, got {scale!r}")
+    for name, x, shape in (("q_offset", q_offset, (b,)), ("q_segment_ids", q_segment_ids, (b, t))):
+        if x is None:
+            continue
+        if tuple(getattr(x, "shape", ())) != shape:
+            raise ValueError(f"{_OP}: {name} must have shape {list(shape)}, got "
+                             f"{list(getattr(x, 'shape', ()))}")
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{_OP}: {name} must be an integer array, got dtype {x.dtype}")
+
+
+def block_scores_unchecked(q, k_cmp, lse_cmp, *, seq_len: int, remap: Remap, scale: float,
+                           q_offset=None, q_segment_ids=None, implementation: str,
+                           interpret: bool = False, block_q: int | None = None,
+                           block_n: int | None = None):
+    """Per-group block scores [B, T, Hkv, nb] float32 with `implementation`, no backend check
+    (the lowering tests use it); inputs are not validated."""
+    b = q.shape[0]
+    off = jnp.zeros((b,), jnp.int32) if q_offset is None else jnp.asarray(q_offset, jnp.int32)
+    seg = None if q_segment_ids is None else jnp.asarray(q_segment_ids, jnp.int32)
+    if implementation == "xla":
+        return xla_impl.block_scores(q, k_cmp, lse_cmp, off, seg, seq_len=seq_len, remap=remap,
+                                     scale=scale, block_q=block_q or 256)
+    if implementation == "pallas_gpu":
+        from aiinfra_jax.kernels.block_selection import pallas_gpu as mod
+    else:
+        from aiinfra_jax.kernels.block_selection import pallas_tpu as mod
+    kw = {k: v for k, v in (("block_q", block_q), ("block_n", block_n)) if v is not None}
+    return mod.block_scores(q, k_cmp, lse_cmp, off, seg, seq_len=seq_len, remap=remap,
+                            scale=scale, interpret=interpret, **kw)
+
+
+def select_from_scores(scores, q_pos, doc_start, *, block_size: int, n_selected: int,
+                       n_init: int, n_local: int):
+    """Top-n block indices [B, T, Hkv, n] int32 from scores [B, T, Hkv, nb].
+
+    Candidates for a query at position p: blocks j with doc_start // block_size <= j <= p //
+    block_size (never past the query's own block). Forced: the first n_init candidate blocks and
+    the n_local blocks ending at the query's own block. Forced blocks come first (score +inf),
+    then the best remaining by score; jax.lax.top_k is stable, so among equal scores the lower
+    block index wins. Output is sorted ascending by block index with -1 (empty slot) at the end.
+    """
+    nb = scores.shape[-1]
+    j = jnp.arange(nb, dtype=jnp.int32)
+    own = jnp.minimum(q_pos // block_size, nb - 1)[..., None, None]
+    first = (doc_start // block_size)[..., None, None]
+    valid = jnp.logical_and(j >= first, j <= own)
+    forced = jnp.logical_and(valid, jnp.logical_or(j - first < n_init, own - j < n_local))
+    key = jnp.where(forced, jnp.inf, jnp.where(valid, scores, -jnp.inf))
+    if nb < n_selected:
+        key = jnp.pad(key, [(0, 0)] * 3 + [(0, n_selected - nb)], constant_values=-jnp.inf)
+    vals, idx = jax.lax.top_k(key, n_selected)
+    big = jnp.int32(np.iinfo(np.int32).max)
+    idx = jnp.where(vals == -jnp.inf, big, idx.astype(jnp.int32))
+    idx = jnp.sort(idx, axis=-1)
+    return jnp.where(idx == big, -1, idx)
+
+
+def select_blocks(q, k_cmp, lse_cmp, *, seq_len: int, cmp_block_len: int = 32,
+                  cmp_stride: int = 16, block_size: int = 64, n_selected: int = 16,
+                  n_init: int = 1, n_local: int = 2, remap: str = "overlap",
+                  scale: float | None = None, q_offset=None, q_segment_ids=None,
+                  implementation: str | None = None, interpret: bool = False,
+                  block_q: int | None = None, block_n: int | None = None):
+    """NSA top-n selection blocks per query and KV group.
+
+    Args:
+      q: [B, T, Hq, Dk] queries; k_cmp: [B, Sc, Hkv, Dk] compressed keys (token i covers raw
+        positions [i*cmp_stride, i*cmp_stride + cmp_block_len)); lse_cmp: [B, T, Hq] float32, the
+        compressed branch's log-sum-exp (flash_attention(..., return_lse=True)).
+      seq_len: raw key length; nb = ceil(seq_len / block_size) selection blocks.
+      remap: how compressed-token probabilities become block scores. "overlap" (default): token i
+        adds its probability times the fraction of its span inside block j; exact for any l, d, l'.
+        "eq9": the NSA paper's Eq. 9 index, which assumes d | l and d | l'.
+      n_init / n_local: forced blocks (the document's first n_init blocks; the query's own block and
+        the n_local - 1 before it). Forced blocks are included first, then the best by score.
+      q_offset: int [B]: query row t sits at position t + q_offset[b] (decode).
+      q_segment_ids: int [B, T] documents as contiguous runs; a query only scores compressed
+        tokens and selects blocks from its own document (the run holding row 0 starts at 0).
+      implementation / interpret: see kernels._dispatch. block_q / block_n: kernel tiles.
+
+    Returns block_indices [B, T, Hkv, n_selected] int32, ascending, -1 padding at the end (fewer
+    candidates than n_selected). Ties: lower block index wins. No gradients (stop_gradient).
+    """
+    _validate(q, k_cmp, lse_cmp, seq_len, cmp_block_len, cmp_stride, block_size, n_selected,
+              n_init, n_local, remap, scale, q_offset, q_segment_ids)
+    impl = _dispatch.resolve_implementation(_OP, implementation, interpret=interpret)
+    return select_blocks_unchecked(
+        q, k_cmp, lse_cmp, seq_len=seq_len, cmp_block_len=cmp_block_len, cmp_stride=cmp_stride,
+        block_size=block_size, n_selected=n_selected, n_init=n_init, n_local=n_local,
+        remap=remap, scale=scale, q_offset=q_offset, q_segment_ids=q_segment_ids,
+        implementation=impl, interpret=interpret, block_q=block_q, block_n=block_n)
+
+
+def select_blocks_unchecked(q, k_cmp, lse_cmp, *, seq_len: int, cmp_block_len: int,
+                            cmp_stride: int, block_size: int, n_selected: int, n_init: int,
+                            n_local: int, remap: str, scale: float | None, q_offset,
+                            q_segment_ids, implementation: str, interpret: bool = False,
+                            block_q: int | None = None, block_n: int | None = None):
+    """select_blocks without validation or backend check (internal; lowering tests)."""
+    q, k_cmp, lse_cmp = (jax.lax.stop_gradient(x) for x in (q, k_cmp, lse_cmp))
+    rm = Remap(remap, int(cmp_block_len), int(cmp_stride), int(block_size))
+    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    scores = block_scores_unchecked(q, k_cmp, lse_cmp, seq_len=seq_len, remap=rm, scale=scale,
+                                    q_offset=q_offset, q_segment_ids=q_segment_ids,
+                                    implementation=implementation, interpret=interpret,
+                                    block_q=block_q, block_n=block_n)
+    b, t = q.shape[:2]
+    off = jnp.zeros((b,), jnp.int32) if q_offset is None else jnp.asarray(q_offset, jnp.int32)
+    q_pos = jnp.arange(t, dtype=jnp.int32)[None, :] + off[:, None]
+    seg = None if q_segment_ids is None else jnp.asarray(q_segment_ids, jnp.int32)
+    start = doc_start_positions(seg, q_pos)
+    return select_from_scores(scores, q_pos, start, block_size=block_size,
+                              n_selected=n_selected, n_init=n_init, n_local=n_local)
+
+
+def block_scores(q, k_cmp, lse_cmp, *, seq_len: int, cmp_block_len: int = 32,
+                 cmp_stride: int = 16, block_size: int = 64, remap: str = "overlap",
+                 scale: float | None = None, q_offset=None, q_segment_ids=None,
+                 implementation: str | None = None, interpret: bool = False):
+    """The per-group block scores [B, T, Hkv, nb] float32 that select_blocks ranks."""
+    _validate(q, k_cmp, lse_cmp, seq_len, cmp_block_len, cmp_stride, block_size, 1, 0, 0, remap,
+              scale, q_offset, q_segment_ids)
+    impl = _dispatch.resolve_implementation(_OP, implementation, interpret=interpret)
+    rm = Remap(remap, int(cmp_block_len), int(cmp_stride), int(block_size))
+    return block_scores_unchecked(
+        jax.lax.stop_gradient(q), jax.lax.stop_gradient(k_cmp), jax.lax.stop_gradient(lse_cmp),
+        seq_len=seq_len, remap=rm, scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
+        q_offset=q_offset, q_segment_ids=q_segment_ids, implementation=impl, interpret=interpret)
