@@ -6,3 +6,23 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+
+# Many tests compile the same tiny programs (a new jit per train() call, per module instance...).
+# JAX's persistent compilation cache keys on the program itself, so identical programs compile once
+# per test session. The cache lives in a fresh temporary folder: nothing persists between runs.
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+import jax  # noqa: E402
+
+# AIINFRA_TEST_JAX_CACHE=off turns it off.
+if os.environ.get("AIINFRA_TEST_JAX_CACHE") != "off":
+    _cache_dir = os.environ.get("AIINFRA_TEST_JAX_CACHE") or tempfile.mkdtemp(
+        prefix="aiinfra-jax-cache-")
+    if "AIINFRA_TEST_JAX_CACHE" not in os.environ:
+        os.environ["AIINFRA_TEST_JAX_CACHE"] = _cache_dir  # xdist workers share this folder
+        atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", _cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

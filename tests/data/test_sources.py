@@ -95,8 +95,8 @@ def test_bad_inputs_are_clear_errors(tmp_path):
     cfg = DataConfig()
     with pytest.raises(ValueError, match=r"data source '.*missing': no such file or folder"):
         S.open_source(str(tmp_path / "missing"), cfg)
-    with pytest.raises(ValueError, match=r"scheme 'synthetic' is not registered"):
-        S.open_source("synthetic:nope", cfg)
+    with pytest.raises(ValueError, match=r"scheme 'nosuchscheme' is not registered"):
+        S.open_source("nosuchscheme:nope", cfg)
     empty_dir = tmp_path / "empty"
     empty_dir.mkdir()
     with pytest.raises(ValueError, match=r"no matching files \(0 other files\)"):

@@ -1,0 +1,30 @@
+"""The benchmark CLIs run end to end at toy sizes and write their outputs (no timing asserted)."""
+
+import json
+
+from aiinfra_jax.eval import bench_kernels, bench_train
+
+
+def test_bench_kernels_toy(tmp_path):
+    assert bench_kernels.main(["--lengths", "256", "--heads", "2", "--head-dim", "16",
+                               "--block", "16", "--n", "4", "--repeats", "1",
+                               "--out-dir", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    ops = {(r["op"], r["mode"]) for r in res["rows"]}
+    assert {("dense_sdpa", "fwd"), ("dense_flash", "fwd+bwd"), ("sparse", "fwd+bwd"),
+            ("window", "fwd"), ("compressed", "fwd+bwd"), ("select", "fwd")} <= ops
+    assert all(r["seconds"] > 0 for r in res["rows"])
+    assert all("speedup_vs_dense" in r for r in res["rows"] if not r["op"].startswith("dense"))
+    assert (tmp_path / "results.md").exists() and (tmp_path / "time_vs_length.png").exists()
+
+
+def test_bench_train_toy(tmp_path):
+    out = tmp_path / "bench.json"
+    assert bench_train.main([
+        "--steps", "6", "--out", str(out),
+        "--set", "model.d_model=32", "--set", "model.n_layers=2", "--set", "model.n_heads=2",
+        "--set", "model.n_kv_heads=1", "--set", "data.seq_len=32", "--set", "data.batch_size=4",
+        "--set", "mesh.num_devices=1"]) == 0
+    res = json.loads(out.read_text())
+    assert res["tokens_per_sec"] > 0 and res["loop_s_per_step_median"] > 0
+    assert "outside_step_frac" in res and res["device"]
