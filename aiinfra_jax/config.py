@@ -108,6 +108,13 @@ class EvalConfig:
     batches: int = 8  # validation batches per in-loop pass
     final_batches: int = 32  # validation batches for the end-of-run perplexity; 0 = whole split
     position_buckets: int = 4  # token-position buckets for the per-position perplexity
+    # Long-context tasks (aiinfra_jax.eval.longctx) inside the loop: every longctx_every steps
+    # (0 = never), greedy answers on a small grid, logged as longctx/<task>@<length>.
+    longctx_every: int = 0
+    longctx_tasks: tuple[str, ...] = ("niah",)  # task names or groups ("niah", "all")
+    longctx_lengths: tuple[int, ...] = ()  # prompt lengths in tokens; () = data.seq_len
+    longctx_depths: tuple[float, ...] = (0.0, 0.5, 1.0)
+    longctx_samples: int = 1
 
     def __post_init__(self):
         for key in ("every", "batches", "final_batches"):
@@ -116,6 +123,12 @@ class EvalConfig:
         _check(self.batches >= 1, "eval.batches", self.batches, "must be >= 1")
         _check(self.position_buckets >= 1, "eval.position_buckets", self.position_buckets,
                "must be >= 1")
+        _check(self.longctx_every >= 0, "eval.longctx_every", self.longctx_every,
+               "must be >= 0 (0 = never)")
+        _check(self.longctx_samples >= 1, "eval.longctx_samples", self.longctx_samples,
+               "must be >= 1")
+        _check(all(0 <= d <= 1 for d in self.longctx_depths), "eval.longctx_depths",
+               self.longctx_depths, "depths are fractions in [0, 1]")
 
 
 @dataclasses.dataclass(frozen=True)

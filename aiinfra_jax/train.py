@@ -364,6 +364,33 @@ class Trainer:
                         out_shardings=self.replicated)
         return jtrain, jeval
 
+    def longctx_grid(self):
+        """The in-loop long-context grid (eval.longctx_*), checked before training starts.
+
+        The evaluation code lives in aiinfra_jax.eval (which imports the core); it is imported here
+        lazily, only when the run asks for it, so the core never depends on it otherwise."""
+        from aiinfra_jax.eval.longctx import build_examples, small_grid
+
+        e = self.cfg.eval
+        lengths = e.longctx_lengths or (self.cfg.data.seq_len,)
+        too_long = [n for n in lengths if n > self.cfg.model.max_seq_len]
+        if too_long:
+            raise ConfigError(f"eval.longctx_lengths={tuple(lengths)}: {too_long} exceed "
+                              f"model.max_seq_len={self.cfg.model.max_seq_len}")
+        try:
+            grid = small_grid(lengths=tuple(lengths), tasks=tuple(e.longctx_tasks),
+                              depths=tuple(e.longctx_depths), samples=e.longctx_samples)
+            build_examples(self.tokenizer, grid)  # a length too short for a task fails here
+        except ValueError as err:
+            raise ConfigError(f"eval.longctx_*: {err}") from err
+        return grid
+
+    def longctx_scores(self, params, grid) -> dict[str, float]:
+        from aiinfra_jax.eval.longctx import longctx_scores
+
+        model = merge_model(self.graphdef, self.abstract_params, self.rest, params)
+        return longctx_scores(model, self.tokenizer, grid)
+
     def evaluate(self, params, eval_step, max_batches: int, split: str = "validation"
                  ) -> dict[str, Any]:
         """Loss/perplexity over the first max_batches batches of a split (0 = the whole split)."""
@@ -445,10 +472,11 @@ def train(cfg: Config, *, stop_after: int | None = None, quiet: bool = False) ->
     stop_after: stop (with a checkpoint) once this many steps are done, as if interrupted; for tests
     of resumption and for tools that train in slices.
     """
+    trainer = Trainer(cfg)  # validates everything that needs the devices or the tokenizer
+    cfg = trainer.cfg
+    longctx_grid = trainer.longctx_grid() if cfg.eval.longctx_every else None
     run_dir, resume = choose_run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(cfg)
-    cfg = trainer.cfg
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     save_config(cfg, run_dir / "config.json")
 
@@ -513,8 +541,9 @@ def train(cfg: Config, *, stop_after: int | None = None, quiet: bool = False) ->
                 at_eval = (can_eval and cfg.eval.every and step % cfg.eval.every == 0
                            and step < total)
                 at_ckpt = cfg.checkpoint.every and step % cfg.checkpoint.every == 0
+                at_longctx = longctx_grid is not None and step % cfg.eval.longctx_every == 0
                 interrupt = stop.requested or (stop_after is not None and step >= stop_after)
-                if at_log or at_eval or at_ckpt or interrupt:
+                if at_log or at_eval or at_ckpt or at_longctx or interrupt:
                     bad = int(jax.device_get(state["bad_step"]))
                     if bad:
                         raise NonFiniteError(
@@ -544,6 +573,9 @@ def train(cfg: Config, *, stop_after: int | None = None, quiet: bool = False) ->
                     last_eval = trainer.evaluate(state["params"], jeval, cfg.eval.batches)
                     writer.write(step, {"val/loss": last_eval["loss"],
                                         "val/perplexity": last_eval["perplexity"]})
+                    t_interval = time.perf_counter()
+                if at_longctx:  # before the next step: the params buffers are donated to it
+                    writer.write(step, trainer.longctx_scores(state["params"], longctx_grid))
                     t_interval = time.perf_counter()
                 if at_ckpt and not interrupt:
                     save(step)

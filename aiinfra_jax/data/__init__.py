@@ -6,6 +6,7 @@ Importing this package imports grain and numpy only (never `datasets`, `tokenize
 from aiinfra_jax.data.config import DataConfig
 from aiinfra_jax.data.pipeline import BATCH_KEYS, DataIterator, make_dataset, make_iterator
 from aiinfra_jax.data.sources import DocumentSource, open_source, register_source, registered_sources
+from aiinfra_jax.data import synthetic  # noqa: F401  (registers the "synthetic:<task>" sources)
 from aiinfra_jax.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [

@@ -31,7 +31,9 @@ def losses(summary):
 
 def test_end_to_end_trains_checkpoints_and_evaluates(tmp_path):
     cfg = tiny(tmp_path, "run.steps=40", "run.log_every=5", "optim.lr=1e-2",
-               "checkpoint.every=20", "eval.every=20")
+               "checkpoint.every=20", "eval.every=20", "eval.longctx_every=20",
+               "eval.longctx_tasks=passkey", "eval.longctx_lengths=300",
+               "eval.longctx_depths=0.5")
     s = train(cfg, quiet=True)
     l = losses(s)
     assert l[40] < l[5] - 0.5, l  # bytes start near ln(384) = 5.95
@@ -40,6 +42,7 @@ def test_end_to_end_trains_checkpoints_and_evaluates(tmp_path):
     assert json.loads((run / "config.json").read_text())["model"]["vocab_size"] == 384
     lines = [json.loads(x) for x in (run / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert any("val/loss" in x for x in lines)
+    assert [x["step"] for x in lines if "longctx/passkey@300" in x] == [20, 40]
     assert {"loss", "grad_norm", "lr", "tokens_per_sec", "mfu", "perplexity"} <= set(lines[0])
     assert list((run / "logs").glob("events.out.tfevents*"))
     assert np.isfinite(s["validation"]["loss"]) and s["validation"]["tokens"] > 0
@@ -124,3 +127,10 @@ def test_run_directory_choice(tmp_path):
     assert choose_run_dir(never) == (tmp_path / "tiny-3", False)
     with pytest.raises(ConfigError, match="require"):
         choose_run_dir(tiny(tmp_path / "empty", "run.resume=require"))
+
+
+def test_longctx_grid_is_checked_before_training(tmp_path):
+    with pytest.raises(ConfigError, match="eval.longctx.*231"):
+        train(tiny(tmp_path, "eval.longctx_every=5", "eval.longctx_tasks=passkey",
+                   "eval.longctx_lengths=128"), quiet=True)
+    assert not (tmp_path / "tiny").exists()  # nothing was created

@@ -1,0 +1,183 @@
+"""Synthetic long-context task sources for training: ``synthetic:<task>[:key=value,...]``.
+
+    DataConfig(sources=("embedded", "synthetic:niah", "synthetic:mqar"), weights=(0.4, 0.4, 0.2))
+
+``<task>`` is a task of ``aiinfra_jax.eval.tasks`` (niah_single_1 ... niah_multiquery, passkey,
+mqar, variable_tracking) or a group ("niah": the eight NIAH variants in turn, "all": every task in
+turn). Document i is the task's example with seed 2**40 + seed * 2**32 + i (never an evaluation
+seed), at a length drawn uniformly from [min_length, max_length] and a depth drawn uniformly from
+[0, 1], pre-tokenised as ``[BOS] + prompt + answer + [EOS]``, with loss weight ``answer_weight`` on
+the answer and EOS (and on the recalled values of MQAR's inline queries) and ``context_weight``
+elsewhere. Every document fits one row (at most seq_len + 1 tokens), so question and answer are
+never cut apart.
+
+Options (comma-separated key=value after a second colon):
+  n               documents in the source (default 1_000_000); the first ceil(n * val_fraction)
+                  indices are the validation split, the rest train
+  seed            base seed (default 0)
+  min_length      shortest prompt in tokens (default: the task's minimum, at least 64)
+  max_length      longest prompt in tokens (default: data.seq_len minus the answer)
+  context_weight  loss weight of prompt tokens (default 0.0)
+  answer_weight   loss weight of the answer tokens and EOS (default 1.0)
+
+Dependency note: the generators live in ``aiinfra_jax.eval.tasks`` (pure numpy; they import only
+``aiinfra_jax.data.sources``). They are imported lazily inside the factory, so ``import
+aiinfra_jax.data`` never loads ``aiinfra_jax.eval`` and there is no import cycle.
+Letters: L prompt tokens, A answer tokens, T = data.seq_len.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+from aiinfra_jax.data.config import DataConfig
+from aiinfra_jax.data.sources import register_source
+from aiinfra_jax.data.tokenizer import load_tokenizer
+
+# Training documents use example seeds >= 2**40; the evaluation grid uses seed * 1_000_003 + sample,
+# so no evaluation example (for any seed < 10**6) is ever a training document.
+TRAIN_SEED_BASE = 2**40
+_INT_OPTIONS = ("n", "seed", "min_length", "max_length")
+_FLOAT_OPTIONS = ("context_weight", "answer_weight")
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticOptions:
+    n: int = 1_000_000
+    seed: int = 0
+    min_length: int = 0  # 0 = the task's minimum (at least 64)
+    max_length: int = 0  # 0 = seq_len minus the answer
+    context_weight: float = 0.0
+    answer_weight: float = 1.0
+
+    def __post_init__(self):
+        for name in ("n", "seed", "min_length", "max_length"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < (1 if name == "n" else 0):
+                raise ValueError(f"synthetic source option {name}={v!r} must be an int >= "
+                                 f"{1 if name == 'n' else 0}")
+        for name in _FLOAT_OPTIONS:
+            v = getattr(self, name)
+            if not math.isfinite(v) or v < 0:
+                raise ValueError(f"synthetic source option {name}={v!r} must be a finite number >= 0")
+        if self.answer_weight == 0 and self.context_weight == 0:
+            raise ValueError("synthetic source: answer_weight and context_weight are both 0, so "
+                             "nothing would be trained on")
+
+
+def parse_spec(spec: str) -> tuple[str, SyntheticOptions]:
+    """"synthetic:<task>[:k=v,...]" -> (task or group name, options)."""
+    parts = spec.split(":", 2)
+    if len(parts) < 2 or not parts[1]:
+        raise ValueError(f"data source {spec!r}: expected 'synthetic:<task>[:key=value,...]', e.g. "
+                         "'synthetic:niah' or 'synthetic:mqar:min_length=128'")
+    kwargs: dict[str, Any] = {}
+    if len(parts) == 3 and parts[2]:
+        for item in parts[2].split(","):
+            key, eq, value = item.partition("=")
+            key = key.strip()
+            if not eq or key not in _INT_OPTIONS + _FLOAT_OPTIONS:
+                raise ValueError(f"data source {spec!r}: bad option {item!r}; options are "
+                                 f"{', '.join(_INT_OPTIONS + _FLOAT_OPTIONS)} as key=value")
+            try:
+                kwargs[key] = (int(value.replace("_", "")) if key in _INT_OPTIONS
+                               else float(value))
+            except ValueError as e:
+                raise ValueError(f"data source {spec!r}: option {key}={value!r} is not a number") from e
+    return parts[1], SyntheticOptions(**kwargs)
+
+
+def _tasks():
+    """The generators, imported on first use (not at import time; see the module docstring). Not
+    stored on the source, so the source stays picklable for grain's worker processes."""
+    from aiinfra_jax.eval import tasks  # pylint: disable=import-outside-toplevel
+
+    return tasks
+
+
+class SyntheticSource:
+    """A DocumentSource of pre-tokenised task examples (see the module docstring)."""
+
+    def __init__(self, spec: str, cfg: DataConfig):
+        tasks = _tasks()
+        self.name = spec
+        group, self.options = parse_spec(spec)
+        self.tasks = tasks.expand_tasks([group])
+        self.tokenizer = load_tokenizer(cfg.tokenizer)
+        self.seq_len = cfg.seq_len
+        opts = self.options
+        self.min_length = {t: max(opts.min_length, self._minimum(t)) for t in self.tasks}
+        for t in self.tasks:
+            top = opts.max_length or cfg.seq_len
+            if self.min_length[t] > top or self.min_length[t] >= cfg.seq_len:
+                raise ValueError(
+                    f"data source {spec!r}: task {t!r} needs prompts of at least "
+                    f"{self.min_length[t]} tokens, which does not fit max_length={top} / "
+                    f"data.seq_len={cfg.seq_len} with its answer; raise data.seq_len")
+        if opts.max_length > cfg.seq_len:
+            raise ValueError(f"data source {spec!r}: max_length={opts.max_length} exceeds "
+                             f"data.seq_len={cfg.seq_len}; documents must fit one row")
+
+    def _minimum(self, task: str) -> int:
+        try:
+            _tasks().make_task_example(self.tokenizer, task, 1, 0.5, 0)
+        except _tasks().ContextTooShort as e:
+            return max(64, e.needed + 8)
+        return 64
+
+    def __len__(self) -> int:
+        return self.options.n
+
+    def doc_id(self, index: int) -> str:
+        return f"{self.name}/{int(index)}"
+
+    def split_indices(self, split: str, val_fraction: float) -> np.ndarray:
+        n_val = math.ceil(self.options.n * val_fraction) if val_fraction > 0 else 0
+        return np.arange(n_val) if split == "validation" else np.arange(n_val, self.options.n)
+
+    def example(self, index: int):
+        """The task example behind document ``index`` (fits seq_len + 1 with answer and EOS)."""
+        index = int(index)
+        if not 0 <= index < len(self):
+            raise IndexError(f"{self.name}: document {index} out of range [0, {len(self)})")
+        task = self.tasks[index % len(self.tasks)]
+        rng = np.random.default_rng([self.options.seed, index, 7])
+        lo = self.min_length[task]
+        hi = max(lo, self.options.max_length or self.seq_len)
+        length = int(rng.integers(lo, hi + 1))
+        depth = float(rng.uniform())
+        seed = TRAIN_SEED_BASE + self.options.seed * 2**32 + index
+        try:
+            ex = _tasks().make_task_example(self.tokenizer, task, length, depth, seed)
+        except _tasks().ContextTooShort as e:  # this example's keys are longer than usual
+            length = e.needed
+            ex = _tasks().make_task_example(self.tokenizer, task, length, depth, seed)
+        overflow = length + ex.target_tokens.size + 1 - (self.seq_len + 1)
+        if overflow > 0:  # the answer does not depend on the length, so one retry suffices
+            if length - overflow < min(lo, length):
+                raise ValueError(f"{self.name}: task {task!r} with its {ex.target_tokens.size}-"
+                                 f"token answer does not fit data.seq_len={self.seq_len}; raise "
+                                 "data.seq_len")
+            ex = _tasks().make_task_example(self.tokenizer, task, length - overflow, depth,
+                                                   seed)
+        return ex
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        ex = self.example(index)
+        opts = self.options
+        tokens = np.concatenate([ex.prompt_tokens, ex.target_tokens,
+                                 np.array([self.tokenizer.eos_id], np.int32)]).astype(np.int32)
+        weights = np.full(tokens.size, opts.context_weight, np.float32)
+        weights[ex.prompt_tokens.size:] = opts.answer_weight
+        for start, end in ex.extra_weighted:
+            weights[start:end] = opts.answer_weight
+        return {"tokens": tokens, "loss_weights": weights}
+
+
+@register_source("synthetic")
+def _synthetic(spec: str, cfg: DataConfig) -> SyntheticSource:
+    return SyntheticSource(spec, cfg)

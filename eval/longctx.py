@@ -1,0 +1,555 @@
+"""Long-context evaluation: RULER-style NIAH, passkey, MQAR and variable tracking on a checkpoint.
+
+    python -m aiinfra_jax.eval.longctx --checkpoint RUN_DIR --tasks niah_single_1,niah_multikey_1 \
+        --lengths 1k,2k,4k --depths 11 --samples 4 [--batch-size 8] [--out DIR] [--step N]
+
+Writes into --out (default RUN_DIR/longctx/step_<N>):
+  samples.jsonl        one record per (task, length, depth, sample): answers, prediction, scores
+  results.json         accuracy by task and length, by depth, the NIAH average, timing
+  results.md           the same as markdown tables
+  heatmap_<task>.png   depth (y) x context length (x), red (0) to green (1)
+
+Every example is generated offline (``aiinfra_jax.eval.tasks``) at exactly its length in tokens of
+the run's tokenizer; generation is batched greedy decoding through the model's own prefill and
+cached decode (``aiinfra_jax.generate.prefill`` / ``decode_step``), so every registered mixer works
+without special cases. A length that, with the answer budget, exceeds ``model.max_seq_len`` is
+refused before any model work.
+
+The answering side is pluggable (``Answerer``): ``ModelAnswerer`` runs a model; ``CopyAnswerer``
+and ``RandomAnswerer`` are stubs that check the scoring path (100% and ~0%). Inside training,
+``longctx_scores(model, tokenizer, cfg)`` returns a flat dict of scores to log.
+
+Letters: B batch of prompts, T prompt tokens, N new tokens (the answer budget).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+
+from aiinfra_jax.config import ConfigError, apply_overrides, from_dict
+from aiinfra_jax.data import load_tokenizer
+from aiinfra_jax.eval.tasks import NIAH_TASKS, Example, expand_tasks, make_task_example, score
+from aiinfra_jax.eval.tasks.haystack import encode
+from aiinfra_jax.generate import decode_step, prefill
+from aiinfra_jax.metrics import ProgressBar
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+def parse_length(text: str | int) -> int:
+    """"4k" -> 4096, "1536" -> 1536, "0.5k" -> 512."""
+    if isinstance(text, (int, np.integer)) and not isinstance(text, bool):
+        return int(text)
+    t = str(text).strip().lower()
+    try:
+        value = float(t[:-1]) * 1024 if t.endswith("k") else float(t)
+    except ValueError as e:
+        raise ValueError(f"length {text!r}: expected tokens like 1024 or 1k") from e
+    if value != int(value) or value < 1:
+        raise ValueError(f"length {text!r}: must be a positive whole number of tokens")
+    return int(value)
+
+
+def format_length(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def parse_depths(text: str) -> tuple[float, ...]:
+    """"11" -> 11 depths evenly spaced over 0-100%; "0,50,100" -> those percentages."""
+    t = text.strip()
+    if "," not in t and t.isdigit():
+        n = int(t)
+        if n < 1:
+            raise ValueError(f"--depths {text!r}: the number of depths must be >= 1")
+        return (0.5,) if n == 1 else tuple(round(float(x), 6) for x in np.linspace(0, 1, n))
+    try:
+        pct = [float(x) for x in t.split(",") if x.strip()]
+    except ValueError as e:
+        raise ValueError(f"--depths {text!r}: give a count (11) or percentages (0,25,50)") from e
+    return tuple(p / 100 for p in pct)
+
+
+@dataclasses.dataclass(frozen=True)
+class LongCtxConfig:
+    """The evaluation grid and how it runs.
+
+    tasks: task names or groups ("niah", "all"); lengths: prompt tokens; depths: fractions in
+    [0, 1]; samples: examples per (task, length, depth), sample s uses seed ``seed * 1_000_003 + s``
+    (the same keys and values at every length and depth); batch_size: prompts per generate call;
+    answer_margin: decode budget beyond the longest expected answer and its EOS; prefill_chunk:
+    prompt chunk of the prefill (None = one chunk).
+    """
+
+    tasks: tuple[str, ...] = NIAH_TASKS
+    lengths: tuple[int, ...] = (1024,)
+    depths: tuple[float, ...] = tuple(round(float(x), 6) for x in np.linspace(0, 1, 11))
+    samples: int = 1
+    seed: int = 0
+    batch_size: int = 8
+    answer_margin: int = 4
+    prefill_chunk: int | None = None
+
+    def __post_init__(self):
+        try:
+            object.__setattr__(self, "tasks", expand_tasks(self.tasks))
+        except ValueError as e:
+            raise ValueError(f"LongCtxConfig.tasks={self.tasks!r}: {e}") from e
+        if isinstance(self.lengths, (int, str)):
+            object.__setattr__(self, "lengths", (self.lengths,))
+        try:
+            lengths = tuple(parse_length(x) for x in self.lengths)
+        except ValueError as e:
+            raise ValueError(f"LongCtxConfig.lengths={self.lengths!r}: {e}") from e
+        if not lengths:
+            raise ValueError("LongCtxConfig.lengths=(): give at least one length, e.g. (1024,)")
+        object.__setattr__(self, "lengths", tuple(sorted(set(lengths))))
+        depths = tuple(float(d) for d in self.depths)
+        if not depths or any(not 0.0 <= d <= 1.0 for d in depths):
+            raise ValueError(f"LongCtxConfig.depths={self.depths!r}: give fractions in [0, 1]")
+        object.__setattr__(self, "depths", tuple(sorted(set(depths))))
+        for name, low in (("samples", 1), ("seed", 0), ("batch_size", 1), ("answer_margin", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"LongCtxConfig.{name}={v!r}: must be an int >= {low}")
+        if self.prefill_chunk is not None and (not isinstance(self.prefill_chunk, int)
+                                               or self.prefill_chunk < 1):
+            raise ValueError(f"LongCtxConfig.prefill_chunk={self.prefill_chunk!r}: a positive "
+                             "int or None")
+
+
+def small_grid(lengths: Sequence[int] = (256,), tasks: Sequence[str] = NIAH_TASKS,
+               depths: Sequence[float] = (0.0, 0.5, 1.0), samples: int = 1,
+               batch_size: int = 8) -> LongCtxConfig:
+    """A grid small enough to run inside training (the default: 8 tasks x 3 depths x 1 sample)."""
+    return LongCtxConfig(tasks=tuple(tasks), lengths=tuple(lengths), depths=tuple(depths),
+                         samples=samples, batch_size=batch_size, answer_margin=2)
+
+
+def build_examples(tokenizer: Any, cfg: LongCtxConfig) -> list[Example]:
+    """Every example of the grid, ordered by (task, length, depth, sample)."""
+    return [make_task_example(tokenizer, task, length, depth, cfg.seed * 1_000_003 + s)
+            for task in cfg.tasks for length in cfg.lengths for depth in cfg.depths
+            for s in range(cfg.samples)]
+
+
+def answer_budgets(examples: Sequence[Example], cfg: LongCtxConfig) -> dict[int, int]:
+    """Decode budget N per length: the longest answer at that length + EOS + the margin (one N per
+    length, so every task of a length shares the compiled programs)."""
+    out: dict[int, int] = {}
+    for ex in examples:
+        out[ex.length] = max(out.get(ex.length, 0), ex.target_tokens.size + 1 + cfg.answer_margin)
+    return out
+
+
+def check_lengths(budgets: dict[int, int], max_seq_len: int | None) -> None:
+    """Raises before any work if a length plus its answer budget exceeds max_seq_len."""
+    if max_seq_len is None:
+        return
+    bad = {n: n + b for n, b in budgets.items() if n + b > max_seq_len}
+    if bad:
+        worst = ", ".join(f"{format_length(n)} + {budgets[n]} answer tokens = {t}"
+                          for n, t in sorted(bad.items()))
+        raise ValueError(f"context lengths too long for this model: {worst} exceed "
+                         f"model.max_seq_len={max_seq_len} (the longest prompt + answer its cache "
+                         f"holds); use lengths <= {max_seq_len - max(budgets.values())}")
+
+
+# ----------------------------------------------------------------------------- answerers
+
+
+class Answerer(Protocol):
+    """Continues each example's prompt; returns generated token ids per example (EOS may end it)."""
+
+    def __call__(self, examples: Sequence[Example], max_new_tokens: int) -> list[list[int]]: ...
+
+
+class ModelAnswerer:
+    """Batched greedy decoding with the model's prefill and cached decode, timed separately.
+
+    Greedy picks among the tokenizer's ids only (a padded vocabulary's extra rows are never chosen).
+    ``timing`` accumulates seconds and tokens of prefill (B x T per call, padding rows included)
+    and of decode (B per step). With ``warmup`` each new shape is run once untimed first, so the
+    rates exclude compilation.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, *, prefill_chunk: int | None = None,
+                 warmup: bool = False):
+        self.model, self.tokenizer = model, tokenizer
+        self.prefill_chunk, self.warmup = prefill_chunk, warmup
+        cfg = getattr(model, "cfg", None)
+        self.max_seq_len = getattr(cfg, "max_seq_len", None)
+        self.vocab = int(tokenizer.vocab_size)
+        self.timing = {"prefill_s": 0.0, "prefill_tokens": 0, "decode_s": 0.0, "decode_tokens": 0,
+                       "warmup_s": 0.0}
+        self._seen: set[tuple[int, int, int]] = set()
+
+    def _greedy(self, logits_bv: Any) -> np.ndarray:
+        """Argmax over the tokenizer's ids only (the model's vocabulary is padded past them)."""
+        return np.asarray(jax.device_get(logits_bv[:, :self.vocab].argmax(-1)), np.int32)
+
+    def _run(self, tokens: np.ndarray, lengths: np.ndarray, max_new: int, timed: bool
+             ) -> list[list[int]]:
+        """Greedy decoding; untimed (warm-up) runs stop after one decode step."""
+        batch, seq = tokens.shape
+        eos = self.tokenizer.eos_id
+        t0 = time.perf_counter()
+        logits, cache = prefill(self.model, tokens, lengths, seq + max_new,
+                                chunk_size=self.prefill_chunk)
+        next_tok = self._greedy(logits)
+        t1 = time.perf_counter()
+        out = np.full((batch, max_new), self.tokenizer.pad_id, np.int32)
+        done = np.zeros(batch, bool)
+        pos = lengths.astype(np.int32).copy()
+        steps = 0
+        for step in range(max_new):
+            out[:, step] = np.where(done, self.tokenizer.pad_id, next_tok)
+            done |= next_tok == eos
+            if done.all() or step == max_new - 1 or (not timed and steps == 1):
+                break
+            logits, cache = decode_step(self.model, cache, next_tok, pos)
+            next_tok = self._greedy(logits)
+            pos += 1
+            steps += 1
+        t2 = time.perf_counter()
+        if timed:
+            self.timing["prefill_s"] += t1 - t0
+            self.timing["prefill_tokens"] += int(batch * seq)
+            self.timing["decode_s"] += t2 - t1
+            self.timing["decode_tokens"] += int(batch * steps)
+        rows = []
+        for b in range(batch):
+            row = out[b].tolist()
+            rows.append(row[:row.index(eos) + 1] if eos in row else row)
+        return rows
+
+    def __call__(self, examples: Sequence[Example], max_new_tokens: int) -> list[list[int]]:
+        lengths = np.array([ex.prompt_tokens.size for ex in examples], np.int32)
+        tokens = np.full((len(examples), int(lengths.max())), self.tokenizer.pad_id, np.int32)
+        for b, ex in enumerate(examples):
+            tokens[b, :lengths[b]] = ex.prompt_tokens
+        if self.max_seq_len is not None and tokens.shape[1] + max_new_tokens > self.max_seq_len:
+            raise ValueError(f"prompt of {tokens.shape[1]} tokens + {max_new_tokens} new tokens "
+                             f"exceeds model.max_seq_len={self.max_seq_len}")
+        shape = (tokens.shape[0], tokens.shape[1], max_new_tokens)
+        if self.warmup and shape not in self._seen:
+            t = time.perf_counter()
+            self._run(tokens, lengths, max_new_tokens, timed=False)
+            self.timing["warmup_s"] += time.perf_counter() - t
+        self._seen.add(shape)
+        return self._run(tokens, lengths, max_new_tokens, timed=True)
+
+
+class CopyAnswerer:
+    """A stub that finds each expected answer's tokens in the prompt and copies them from there
+    (raising if one is missing), joined like the target, then EOS: it must score 100%."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+
+    def __call__(self, examples: Sequence[Example], max_new_tokens: int) -> list[list[int]]:
+        out = []
+        sep = encode(self.tokenizer, ", ").tolist()
+        for ex in examples:
+            prompt = ex.prompt_tokens.tolist()
+            row: list[int] = []
+            for i, ans in enumerate(ex.answers):
+                want = encode(self.tokenizer, ans).tolist()
+                at = next((j for j in range(len(prompt) - len(want) + 1)
+                           if prompt[j:j + len(want)] == want), None)
+                if at is None:
+                    raise AssertionError(f"{ex.task}: answer {ans!r} is not in the prompt")
+                row += (sep if i else []) + prompt[at:at + len(want)]
+            out.append((row + [self.tokenizer.eos_id])[:max_new_tokens])
+        return out
+
+
+class RandomAnswerer:
+    """A stub that answers with random tokens drawn from the prompt's own token ids."""
+
+    def __init__(self, tokenizer: Any, seed: int = 0):
+        self.tokenizer = tokenizer
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, examples: Sequence[Example], max_new_tokens: int) -> list[list[int]]:
+        out = []
+        for ex in examples:
+            n = ex.target_tokens.size
+            row = self.rng.choice(ex.prompt_tokens[1:], size=n).tolist()
+            out.append((row + [self.tokenizer.eos_id])[:max_new_tokens])
+        return out
+
+
+# ----------------------------------------------------------------------------- the runner
+
+
+def _prediction_text(tokenizer: Any, tokens: list[int]) -> str:
+    eos = tokenizer.eos_id
+    if eos in tokens:
+        tokens = tokens[:tokens.index(eos)]
+    return tokenizer.decode(tokens)
+
+
+def run_longctx(answerer: Answerer, tokenizer: Any, cfg: LongCtxConfig, *,
+                out_dir: str | Path | None = None, max_seq_len: int | None = None,
+                progress: bool = True, meta: dict[str, Any] | None = None,
+                examples: list[Example] | None = None) -> dict[str, Any]:
+    """Runs the grid through ``answerer``; returns the results dict (also written to out_dir).
+
+    max_seq_len: refuse lengths that do not fit (None = the answerer's ``max_seq_len``, if any).
+    """
+    if max_seq_len is None:
+        max_seq_len = getattr(answerer, "max_seq_len", None)
+    if max_seq_len is not None and max(cfg.lengths) >= max_seq_len:
+        check_lengths({n: 1 for n in cfg.lengths}, max_seq_len)
+    if examples is None:
+        examples = build_examples(tokenizer, cfg)
+    budgets = answer_budgets(examples, cfg)
+    check_lengths(budgets, max_seq_len)
+
+    groups: dict[tuple[str, int], list[int]] = defaultdict(list)
+    for i, ex in enumerate(examples):
+        groups[(ex.task, ex.length)].append(i)
+    batches = [idx[k:k + cfg.batch_size] for idx in groups.values()
+               for k in range(0, len(idx), cfg.batch_size)]
+    out_path = Path(out_dir) if out_dir is not None else None
+    jsonl = None
+    if out_path is not None:
+        out_path.mkdir(parents=True, exist_ok=True)
+        jsonl = (out_path / "samples.jsonl").open("w")
+    bar = None
+    if progress:
+        bar = ProgressBar(len(batches), desc="longctx", interval_s=10.0)
+    records: list[dict[str, Any]] = []
+    start = time.perf_counter()
+    try:
+        for n_done, idx in enumerate(batches, start=1):
+            batch = [examples[i] for i in idx]
+            padded = batch + [batch[-1]] * (cfg.batch_size - len(batch))  # fixed shapes
+            max_new = budgets[batch[0].length]
+            generated = answerer(padded, max_new)
+            if len(generated) != len(padded):
+                raise ValueError(f"answerer returned {len(generated)} rows for {len(padded)} "
+                                 "prompts")
+            for ex, toks in zip(batch, generated):
+                toks = [int(t) for t in toks]
+                pred = _prediction_text(tokenizer, toks)
+                rec = {"task": ex.task, "length": ex.length, "depth": ex.depth,
+                       "sample": (ex.seed - cfg.seed * 1_000_003), "seed": ex.seed,
+                       "answers": list(ex.answers), "prediction": pred, "metric": ex.metric,
+                       **score(pred, ex.answers, ex.metric), "generated_tokens": len(toks)}
+                records.append(rec)
+                if jsonl is not None:
+                    jsonl.write(json.dumps(rec) + "\n")
+            if bar is not None:
+                done = sum(r["score"] for r in records) / len(records)
+                bar.update(n_done, accuracy=done)
+    finally:
+        if jsonl is not None:
+            jsonl.close()
+        if bar is not None:
+            bar.close()
+    wall = time.perf_counter() - start
+    result = summarize(records, cfg)
+    timing = {"wall_s": wall, "examples": len(records)}
+    t = getattr(answerer, "timing", None)
+    if t:
+        timing.update(t)
+        timing["prefill_tokens_per_s"] = (t["prefill_tokens"] / t["prefill_s"]
+                                          if t["prefill_s"] > 0 else None)
+        timing["decode_tokens_per_s"] = (t["decode_tokens"] / t["decode_s"]
+                                         if t["decode_s"] > 0 else None)
+    result["timing"] = timing
+    result["meta"] = dict(meta or {})
+    if out_path is not None:
+        write_outputs(result, out_path)
+    return result
+
+
+def _mean(xs: list[float]) -> float:
+    return float(np.mean(xs)) if xs else math.nan
+
+
+def summarize(records: Sequence[dict[str, Any]], cfg: LongCtxConfig) -> dict[str, Any]:
+    """Accuracy (mean primary score) by task x length, by task x depth x length, NIAH average."""
+    by_tl: dict[tuple[str, int], list[float]] = defaultdict(list)
+    by_tdl: dict[tuple[str, float, int], list[float]] = defaultdict(list)
+    for r in records:
+        by_tl[(r["task"], r["length"])].append(r["score"])
+        by_tdl[(r["task"], r["depth"], r["length"])].append(r["score"])
+    acc = {t: {str(n): _mean(by_tl[(t, n)]) for n in cfg.lengths} for t in cfg.tasks}
+    for t in cfg.tasks:
+        acc[t]["mean"] = _mean([acc[t][str(n)] for n in cfg.lengths])
+    by_depth = {t: {f"{d:g}": {str(n): _mean(by_tdl[(t, d, n)]) for n in cfg.lengths}
+                    for d in cfg.depths} for t in cfg.tasks}
+    niah = [t for t in cfg.tasks if t in NIAH_TASKS]
+    niah_avg = None
+    if niah:
+        niah_avg = {str(n): _mean([acc[t][str(n)] for t in niah]) for n in cfg.lengths}
+        niah_avg["mean"] = _mean([niah_avg[str(n)] for n in cfg.lengths])
+    return {"tasks": list(cfg.tasks), "lengths": list(cfg.lengths), "depths": list(cfg.depths),
+            "samples": cfg.samples, "seed": cfg.seed, "accuracy": acc, "niah_average": niah_avg,
+            "niah_tasks": niah, "by_depth": by_depth}
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    lengths = result["lengths"]
+    head = "| task | " + " | ".join(format_length(n) for n in lengths) + " | mean |"
+    rule = "|" + "---|" * (len(lengths) + 2)
+    rows = [head, rule]
+
+    def cells(d):
+        return " | ".join(f"{100 * d[str(n)]:.1f}" for n in lengths) + f" | {100 * d['mean']:.1f}"
+
+    for t in result["tasks"]:
+        rows.append(f"| {t} | {cells(result['accuracy'][t])} |")
+    if result.get("niah_average"):
+        rows.append(f"| **NIAH average ({len(result['niah_tasks'])} variants)** | "
+                    f"{cells(result['niah_average'])} |")
+    lines = ["Accuracy (%) by task and context length (tokens):", ""] + rows
+    tm = result.get("timing") or {}
+    if tm:
+        lines += ["", f"Wall time {tm['wall_s']:.1f} s for {tm['examples']} examples."]
+        if tm.get("prefill_tokens_per_s"):
+            lines.append(f"Prefill: {tm['prefill_tokens']} tokens in {tm['prefill_s']:.2f} s = "
+                         f"{tm['prefill_tokens_per_s']:.0f} tokens/s; decode: "
+                         f"{tm['decode_tokens']} tokens in {tm['decode_s']:.2f} s = "
+                         f"{(tm.get('decode_tokens_per_s') or 0):.0f} tokens/s"
+                         + (f" (compilation warm-up {tm['warmup_s']:.1f} s excluded)."
+                            if tm.get("warmup_s") else "."))
+    return "\n".join(lines) + "\n"
+
+
+def write_heatmap(result: dict[str, Any], task: str, path: str | Path) -> None:
+    """Depth (y, 0% at the top) x context length (x) accuracy, red (0) to green (1)."""
+    import matplotlib  # pylint: disable=import-outside-toplevel
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
+    lengths, depths = result["lengths"], result["depths"]
+    grid = np.array([[result["by_depth"][task][f"{d:g}"][str(n)] for n in lengths]
+                     for d in depths], float)
+    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(lengths), 1.2 + 0.4 * len(depths)))
+    im = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
+    ax.set_xticks(range(len(lengths)), [format_length(n) for n in lengths])
+    ax.set_yticks(range(len(depths)), [f"{100 * d:.0f}%" for d in depths])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("needle depth")
+    ax.set_title(f"{task}: mean {100 * np.nanmean(grid):.1f}%")
+    for i in range(len(depths)):
+        for j in range(len(lengths)):
+            if not math.isnan(grid[i, j]):
+                ax.text(j, i, f"{100 * grid[i, j]:.0f}", ha="center", va="center", fontsize=7)
+    fig.colorbar(im, ax=ax, fraction=0.05)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_outputs(result: dict[str, Any], out_dir: str | Path) -> None:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "results.md").write_text(markdown_table(result))
+    for task in result["tasks"]:
+        write_heatmap(result, task, out / f"heatmap_{task}.png")
+
+
+# ----------------------------------------------------------------------------- in-loop hook
+
+
+def longctx_scores(model: Any, tokenizer: Any, cfg: LongCtxConfig | None = None
+                   ) -> dict[str, float]:
+    """Scores of ``model`` on a small grid, as a flat dict to log with the training metrics:
+    "longctx/<task>@<length>", "longctx/niah_avg@<length>" and "longctx/niah_avg" (0-1).
+
+    ``model`` is the nnx model (the trainer can build it with ``train.merge_model``); ``cfg``
+    defaults to ``small_grid()``. No files, no progress bar.
+    """
+    cfg = small_grid() if cfg is None else cfg
+    answerer = ModelAnswerer(model, tokenizer, prefill_chunk=cfg.prefill_chunk)
+    res = run_longctx(answerer, tokenizer, cfg, progress=False)
+    out: dict[str, float] = {}
+    for t in cfg.tasks:
+        for n in cfg.lengths:
+            out[f"longctx/{t}@{format_length(n)}"] = res["accuracy"][t][str(n)]
+    if res["niah_average"]:
+        for n in cfg.lengths:
+            out[f"longctx/niah_avg@{format_length(n)}"] = res["niah_average"][str(n)]
+        out["longctx/niah_avg"] = res["niah_average"]["mean"]
+    return out
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", required=True, help="a run directory printed by train.py")
+    ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    ap.add_argument("--tasks", default="niah", help="comma-separated tasks or groups (niah, all)")
+    ap.add_argument("--lengths", default="1k", help="context lengths in tokens, e.g. 1k,2k,4k")
+    ap.add_argument("--depths", default="11", help="a count (evenly spaced 0-100%%) or percents")
+    ap.add_argument("--samples", type=int, default=1, help="examples per (task, length, depth)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--prefill-chunk", type=int, default=None)
+    ap.add_argument("--no-warmup", action="store_true", help="include compilation in the timings")
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--out", default=None, help="output folder (default RUN_DIR/longctx/step_N)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="mesh/data overrides passed to restore_run")
+    args = ap.parse_args(argv)
+
+    try:
+        cfg = LongCtxConfig(tasks=tuple(args.tasks.split(",")),
+                            lengths=tuple(args.lengths.split(",")),
+                            depths=parse_depths(args.depths),
+                            samples=args.samples, seed=args.seed, batch_size=args.batch_size,
+                            prefill_chunk=args.prefill_chunk)
+        run_dir = Path(args.checkpoint)
+        cfg_path = run_dir / "config.json"
+        if not cfg_path.exists():
+            raise FileNotFoundError(f"{run_dir} is not a run directory (no config.json)")
+        run_cfg = apply_overrides(from_dict(json.loads(cfg_path.read_text())), args.overrides)
+        tokenizer = load_tokenizer(run_cfg.data.tokenizer)
+        # Everything that can be refused is refused before the checkpoint is loaded.
+        examples = build_examples(tokenizer, cfg)
+        check_lengths(answer_budgets(examples, cfg), run_cfg.model.max_seq_len)
+        # Imported here: train.py may import this module for the in-loop hook.
+        from aiinfra_jax.train import merge_model, restore_run  # pylint: disable=import-outside-toplevel
+
+        trainer, state = restore_run(run_dir, step=args.step, overrides=args.overrides)
+        model = merge_model(trainer.graphdef, trainer.abstract_params, trainer.rest,
+                            state["params"])
+        step = int(state["step"])
+        out = Path(args.out) if args.out else run_dir / "longctx" / f"step_{step}"
+        answerer = ModelAnswerer(model, trainer.tokenizer, prefill_chunk=cfg.prefill_chunk,
+                                 warmup=not args.no_warmup)
+        meta = {"run_dir": str(run_dir), "step": step, "mixers": list(trainer.cfg.model.mixers),
+                "tokenizer": run_cfg.data.tokenizer, "command": " ".join(sys.argv)}
+        result = run_longctx(answerer, trainer.tokenizer, cfg, out_dir=out,
+                             progress=not args.no_progress, meta=meta, examples=examples)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(markdown_table(result))
+    print(f"outputs in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Long-context task generators (seeded, offline) and their scoring.
+
+    example = make_task_example(tokenizer, "niah_single_1", length=1024, depth=0.5, seed=0)
+
+Every task builds a prompt of exactly ``length`` tokens of the given tokenizer ([BOS] + instructions
++ haystack with needles + question + answer prefix; zero slack, see ``haystack``), its needle at
+``depth`` (0 = start of the haystack, 1 = end) within one haystack sentence, and the expected
+answers (``Example``). The same (task, seed) gives the same keys and values at every length and
+depth, and the same example for the same (task, length, depth, seed).
+
+Where the generators live: here, in ``aiinfra_jax.eval.tasks``, as the issue places them, so the
+evaluation owns its tasks. They import only numpy and ``aiinfra_jax.data`` (the embedded corpus for
+the natural-text haystack), never the rest of ``aiinfra_jax.eval``, the trainer or the models. The
+training source ``aiinfra_jax.data.synthetic`` imports this package lazily, inside its factory, so
+importing ``aiinfra_jax.data`` never loads ``eval``, and there is no import cycle (data.synthetic ->
+eval.tasks -> data.sources, with data already initialised). Moving these pure generators into
+``aiinfra_jax/data/tasks`` later would change only import lines.
+
+Tasks: the eight RULER NIAH variants (``NIAH_TASKS``), "passkey", "mqar", "variable_tracking".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from aiinfra_jax.eval.tasks.common import Example
+from aiinfra_jax.eval.tasks.haystack import ContextTooShort
+from aiinfra_jax.eval.tasks.mqar import mqar_example
+from aiinfra_jax.eval.tasks.niah import NIAH_VARIANTS, NIAHSpec, niah_example
+from aiinfra_jax.eval.tasks.passkey import passkey_example
+from aiinfra_jax.eval.tasks.scoring import (answer_line, exact_match, score, string_match_all,
+                                            string_match_part)
+from aiinfra_jax.eval.tasks.variable_tracking import variable_tracking_example
+
+NIAH_TASKS: tuple[str, ...] = tuple(NIAH_VARIANTS)
+TaskFn = Callable[..., Example]
+TASKS: dict[str, TaskFn] = {
+    **{name: niah_example for name in NIAH_TASKS},
+    "passkey": passkey_example,
+    "mqar": mqar_example,
+    "variable_tracking": variable_tracking_example,
+}
+# Names that stand for several tasks (in --tasks and in "synthetic:<name>").
+TASK_GROUPS: dict[str, tuple[str, ...]] = {"niah": NIAH_TASKS, "all": tuple(TASKS)}
+
+
+def expand_tasks(names: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """Task names with groups ("niah", "all") expanded, in order, without repeats."""
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",") if n.strip()]
+    out: list[str] = []
+    for n in names:
+        if n in TASK_GROUPS:
+            members = TASK_GROUPS[n]
+        elif n in TASKS:
+            members = (n,)
+        else:
+            raise ValueError(f"unknown task {n!r}; tasks: {sorted(TASKS)}; groups: "
+                             f"{sorted(TASK_GROUPS)}")
+        out.extend(m for m in members if m not in out)
+    if not out:
+        raise ValueError("no tasks given; pick from " + ", ".join(sorted(TASKS)))
+    return tuple(out)
+
+
+def make_task_example(tokenizer: Any, task: str, length: int, depth: float, seed: int,
+                      **options: Any) -> Example:
+    """One example of ``task`` (see the module docstring); options go to the task's generator."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; tasks: {sorted(TASKS)}")
+    return TASKS[task](tokenizer, task, length, depth, seed, **options)
+
+
+__all__ = [
+    "ContextTooShort", "Example", "NIAHSpec", "NIAH_TASKS", "NIAH_VARIANTS", "TASKS", "TASK_GROUPS",
+    "answer_line", "exact_match", "expand_tasks", "make_task_example", "mqar_example",
+    "niah_example", "passkey_example", "score", "string_match_all", "string_match_part",
+    "variable_tracking_example",
+]

@@ -1,0 +1,140 @@
+"""The long-context runner: a tiny random model end to end, stub answerers, early refusals."""
+
+import json
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from aiinfra_jax.data import ByteTokenizer
+from aiinfra_jax.eval import longctx as lc
+from aiinfra_jax.eval.tasks import NIAH_TASKS, TASKS
+from aiinfra_jax.models import ModelConfig, Transformer
+
+TOK = ByteTokenizer()
+
+
+def _tiny_model(max_seq_len=512, seed=None, vocab_size=384):
+    seed = int(np.random.default_rng().integers(1 << 30)) if seed is None else seed
+    cfg = ModelConfig(vocab_size=vocab_size, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64,
+                      max_seq_len=max_seq_len)
+    return Transformer(cfg, rngs=nnx.Rngs(seed))
+
+
+def test_tiny_model_end_to_end_writes_all_outputs(tmp_path):
+    cfg = lc.LongCtxConfig(tasks=("niah_single_1", "variable_tracking"), lengths=(320, 400),
+                           depths=(0.0, 1.0), samples=2, batch_size=3)
+    answerer = lc.ModelAnswerer(_tiny_model(), TOK, warmup=True)
+    res = lc.run_longctx(answerer, TOK, cfg, out_dir=tmp_path, progress=True,
+                         meta={"what": "test"})
+    lines = (tmp_path / "samples.jsonl").read_text().splitlines()
+    assert len(lines) == 2 * 2 * 2 * 2
+    rec = json.loads(lines[0])
+    for key in ("task", "length", "depth", "sample", "answers", "prediction", "exact", "all",
+                "score", "generated_tokens"):
+        assert key in rec
+    assert {json.loads(x)["length"] for x in lines} == {320, 400}
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert set(saved["accuracy"]) == {"niah_single_1", "variable_tracking"}
+    assert set(saved["accuracy"]["niah_single_1"]) == {"320", "400", "mean"}
+    assert saved["niah_average"] is not None and saved["meta"] == {"what": "test"}
+    t = res["timing"]
+    assert t["prefill_tokens"] == 2 * 2 * 3 * 320 + 2 * 2 * 3 * 400  # 2 tasks x 2 batches of 3
+    assert t["prefill_tokens_per_s"] > 0
+    # A random model whose first greedy token is EOS for every prompt decodes nothing further.
+    eos_first = all(json.loads(x)["generated_tokens"] == 1 for x in lines)
+    assert eos_first or (t["decode_tokens"] > 0 and t["decode_tokens_per_s"] > 0)
+    md = (tmp_path / "results.md").read_text()
+    assert "| niah_single_1 |" in md and "NIAH average" in md and "tokens/s" in md
+    for task in cfg.tasks:
+        png = (tmp_path / f"heatmap_{task}.png").read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
+    # Every prediction decodes what the model produced (at most the answer budget).
+    budget = lc.answer_budgets(lc.build_examples(TOK, cfg), cfg)
+    assert all(json.loads(x)["generated_tokens"] <= budget[json.loads(x)["length"]] for x in lines)
+
+
+def test_model_answerer_matches_generate():
+    from aiinfra_jax.generate import generate
+
+    model = _tiny_model(vocab_size=TOK.vocab_size)  # no padded ids: both argmaxes agree
+    cfg = lc.LongCtxConfig(tasks=("passkey",), lengths=(260,), depths=(0.3,), samples=2)
+    exs = lc.build_examples(TOK, cfg)
+    ours = lc.ModelAnswerer(model, TOK)(exs, 6)
+    ref = generate(model, [e.prompt_tokens.tolist() for e in exs], max_new_tokens=6,
+                   eos_id=TOK.eos_id, pad_id=TOK.pad_id)
+    assert ours == ref.as_lists()
+
+
+def test_copy_stub_scores_100_and_random_stub_near_0():
+    cfg = lc.LongCtxConfig(tasks=tuple(TASKS), lengths=(600, 900), depths=(0.0, 0.5, 1.0),
+                           samples=1, batch_size=4, seed=int(np.random.default_rng().integers(99)))
+    good = lc.run_longctx(lc.CopyAnswerer(TOK), TOK, cfg, progress=False)
+    bad = lc.run_longctx(lc.RandomAnswerer(TOK, seed=1), TOK, cfg, progress=False)
+    for task in TASKS:
+        assert good["accuracy"][task]["mean"] == 1.0, task
+        assert bad["accuracy"][task]["mean"] <= 0.1, task
+    assert good["niah_average"]["mean"] == 1.0
+    assert bad["niah_average"]["mean"] <= 0.05
+    assert good["niah_tasks"] == list(NIAH_TASKS)
+
+
+class _Counting:
+    def __init__(self, max_seq_len):
+        self.max_seq_len, self.calls = max_seq_len, 0
+
+    def __call__(self, examples, max_new_tokens):
+        self.calls += 1
+        return [[TOK.eos_id] for _ in examples]
+
+
+def test_too_long_is_refused_before_any_work():
+    stub = _Counting(max_seq_len=420)
+    cfg = lc.LongCtxConfig(tasks=("niah_single_1",), lengths=(300, 420), depths=(0.5,))
+    with pytest.raises(ValueError, match="max_seq_len=420"):
+        lc.run_longctx(stub, TOK, cfg, progress=False)
+    assert stub.calls == 0
+    # The answer budget counts too: 400 + answer > 405.
+    stub = _Counting(max_seq_len=405)
+    cfg = lc.LongCtxConfig(tasks=("niah_single_1",), lengths=(400,), depths=(0.5,))
+    with pytest.raises(ValueError, match="answer tokens"):
+        lc.run_longctx(stub, TOK, cfg, progress=False)
+    assert stub.calls == 0
+    with pytest.raises(ValueError, match="max_seq_len"):
+        lc.ModelAnswerer(_tiny_model(max_seq_len=256, seed=0), TOK)(
+            lc.build_examples(TOK, lc.LongCtxConfig(tasks=("passkey",), lengths=(250,),
+                                                    depths=(0.5,))), 8)
+
+
+def test_cli_refuses_long_lengths_before_loading(tmp_path, capsys):
+    from aiinfra_jax.config import Config, save_config
+
+    save_config(Config(model=ModelConfig(max_seq_len=600)), tmp_path / "config.json")
+    rc = lc.main(["--checkpoint", str(tmp_path), "--tasks", "niah_single_1", "--lengths", "1k",
+                  "--depths", "3", "--no-progress"])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "max_seq_len=600" in err and "no checkpoint" not in err
+
+
+def test_longctx_scores_hook():
+    grid = lc.small_grid(lengths=(256,), tasks=("niah_single_1", "passkey"), depths=(0.5,))
+    scores = lc.longctx_scores(_tiny_model(), TOK, grid)
+    assert set(scores) == {"longctx/niah_single_1@256", "longctx/passkey@256",
+                           "longctx/niah_avg@256", "longctx/niah_avg"}
+    assert all(0.0 <= v <= 1.0 for v in scores.values())
+
+
+def test_config_and_parsing():
+    assert lc.parse_length("4k") == 4096 and lc.parse_length("1536") == 1536
+    assert lc.parse_depths("3") == (0.0, 0.5, 1.0) and lc.parse_depths("0,25") == (0.0, 0.25)
+    cfg = lc.LongCtxConfig(tasks=("niah",), lengths=("2k", "1k"))
+    assert cfg.tasks == NIAH_TASKS and cfg.lengths == (1024, 2048)
+    with pytest.raises(ValueError, match="LongCtxConfig.lengths"):
+        lc.LongCtxConfig(lengths=("1q",))
+    with pytest.raises(ValueError, match="LongCtxConfig.depths"):
+        lc.LongCtxConfig(depths=(0.5, 1.5))
+    with pytest.raises(ValueError, match="LongCtxConfig.tasks"):
+        lc.LongCtxConfig(tasks=("nope",))
+    with pytest.raises(ValueError, match="LongCtxConfig.samples"):
+        lc.LongCtxConfig(samples=0)

@@ -1,0 +1,179 @@
+"""Task generators, scoring and the synthetic training source.
+
+Length slack: zero. Prompts are assembled in token space, so every prompt has exactly the requested
+number of tokens. Depth tolerance: one haystack sentence (plus the needles placed before it).
+"""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from aiinfra_jax.data import ByteTokenizer, DataConfig, open_source
+from aiinfra_jax.data.synthetic import SyntheticSource, parse_spec
+from aiinfra_jax.eval.tasks import (NIAH_TASKS, TASKS, ContextTooShort, exact_match, expand_tasks,
+                                    make_task_example, score, string_match_all, string_match_part)
+
+TOK = ByteTokenizer()
+LENGTH_SLACK = 0
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_length_depth_and_answer_in_context(task):
+    rng = np.random.default_rng()  # fresh draws; the assertion messages name the case
+    for length in (int(rng.integers(480, 700)), int(rng.integers(900, 1400))):
+        for depth in (0.0, float(rng.uniform()), 1.0):
+            seed = int(rng.integers(0, 10_000))
+            ex = make_task_example(TOK, task, length, depth, seed)
+            assert abs(ex.prompt_tokens.size - length) <= LENGTH_SLACK
+            assert ex.prompt_tokens[0] == TOK.bos_id and ex.length == length
+            text = TOK.decode(ex.prompt_tokens)
+            # Every needle really sits at its recorded offset.
+            for needle, off in zip(ex.needles, ex.needle_offsets):
+                got = TOK.decode(ex.prompt_tokens[off:off + len(needle.encode())])
+                assert got == needle
+            # The first needle is at the requested depth, within one haystack sentence.
+            start, end = ex.haystack_span
+            off0 = ex.needle_offsets[0]
+            before = sum(len(n.encode()) + 1 for n, o in zip(ex.needles, ex.needle_offsets)
+                         if o < off0)
+            hay_pos = off0 - start - before
+            assert abs(hay_pos - depth * ex.haystack_tokens) <= ex.max_sentence_tokens, (
+                task, length, depth, hay_pos, ex.haystack_tokens)
+            assert start <= off0 < end
+            # The expected answers are all in the context (before the question).
+            hay_text = TOK.decode(ex.prompt_tokens[start:end])
+            for ans in ex.answers:
+                assert ans in hay_text, (task, ans)
+            assert TOK.decode(ex.target_tokens) == ", ".join(ex.answers)
+            assert text.endswith(TOK.decode(ex.prompt_tokens[end:]))
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_seeding(task):
+    a = make_task_example(TOK, task, 800, 0.4, 11)
+    b = make_task_example(TOK, task, 800, 0.4, 11)
+    c = make_task_example(TOK, task, 800, 0.4, 12)
+    np.testing.assert_array_equal(a.prompt_tokens, b.prompt_tokens)
+    assert a.answers == b.answers
+    assert a.answers != c.answers
+    assert not np.array_equal(a.prompt_tokens, c.prompt_tokens)
+    # Same seed, other length and depth: the same keys and values.
+    d = make_task_example(TOK, task, 1000, 0.9, 11)
+    assert d.answers == a.answers and d.prompt_tokens.size == 1000
+
+
+def test_niah_variants_differ_as_specified():
+    single = make_task_example(TOK, "niah_single_1", 900, 0.5, 3)
+    assert "The grass is green." in single.prompt_text(TOK)
+    assert len(single.answers) == 1 and len(single.answers[0]) == 7 and single.metric == "exact"
+    uuid = make_task_example(TOK, "niah_single_3", 900, 0.5, 3)
+    assert len(uuid.answers[0]) == 36 and uuid.answers[0].count("-") == 4
+    mk = make_task_example(TOK, "niah_multikey_1", 900, 0.5, 3)
+    assert mk.prompt_text(TOK).count("One of the special magic numbers for") == 4
+    hay = make_task_example(TOK, "niah_multikey_2", 900, 0.5, 3)
+    assert hay.prompt_text(TOK).count("One of the special magic numbers for") >= 8
+    mv = make_task_example(TOK, "niah_multivalue", 900, 0.5, 3)
+    assert len(mv.answers) == 4 and mv.metric == "all"
+    mq = make_task_example(TOK, "niah_multiquery", 900, 0.5, 3)
+    assert len(mq.answers) == 4 and len(set(mq.answers)) == 4
+
+
+def test_bad_requests_are_refused():
+    with pytest.raises(ContextTooShort, match="length=50") as info:
+        make_task_example(TOK, "niah_multiquery", 50, 0.5, 0)
+    assert info.value.needed > 50
+    make_task_example(TOK, "niah_multiquery", info.value.needed, 0.5, 0)  # the minimum works
+    with pytest.raises(ValueError, match="depth"):
+        make_task_example(TOK, "passkey", 500, 1.5, 0)
+    with pytest.raises(ValueError, match="unknown task"):
+        make_task_example(TOK, "needle", 500, 0.5, 0)
+    with pytest.raises(ValueError, match="unknown task"):
+        expand_tasks("niah,bogus")
+    assert expand_tasks("passkey,niah") == ("passkey",) + NIAH_TASKS
+
+
+def test_scoring_hand_made_cases():
+    assert exact_match("1234567", ["1234567"]) == 1.0
+    assert exact_match(" 1234567.\nmore text", ["1234567"]) == 1.0
+    assert exact_match("1234568", ["1234567"]) == 0.0
+    assert exact_match("The number is 1234567", ["1234567"]) == 0.0
+    assert string_match_all("The number is 1234567", ["1234567"]) == 1.0
+    refs = ["111", "222", "333"]
+    assert exact_match("333, 111, 222", refs) == 1.0  # order free
+    assert exact_match("111, 222", refs) == 0.0
+    assert string_match_all("111, 222", refs) == pytest.approx(2 / 3)
+    assert string_match_all("999", refs) == 0.0
+    assert string_match_part("x 222 y", refs) == 1.0 and string_match_part("x", refs) == 0.0
+    assert string_match_all("ABC-def", ["abc-DEF"]) == 1.0
+    assert score("111, 999", refs, "all") == {"exact": 0.0, "all": pytest.approx(1 / 3),
+                                              "score": pytest.approx(1 / 3)}
+    with pytest.raises(ValueError, match="metric"):
+        score("1", ["1"], "f1")
+    with pytest.raises(ValueError, match="non-empty"):
+        exact_match("1", "1")
+
+
+def test_synthetic_source_documents():
+    cfg = DataConfig(seq_len=700, sources=("synthetic:niah",))
+    src = open_source("synthetic:all:n=1000,seed=3,context_weight=0.1,answer_weight=2", cfg)
+    assert isinstance(src, SyntheticSource) and len(src) == 1000
+    val, train = src.split_indices("validation", 0.05), src.split_indices("train", 0.05)
+    assert len(val) == 50 and len(train) == 950 and not set(val) & set(train)
+    seen = set()
+    for i in range(0, 33, 3):
+        doc = src[i]
+        toks, w = doc["tokens"], doc["loss_weights"]
+        assert toks.size <= cfg.seq_len + 1 and toks[0] == TOK.bos_id and toks[-1] == TOK.eos_id
+        ex = src.example(i)
+        seen.add(ex.task)
+        n_ans = ex.target_tokens.size + 1
+        np.testing.assert_array_equal(w[-n_ans:], 2.0)
+        assert TOK.decode(toks[-n_ans:]) == ex.target_text
+        assert np.all((w[:-n_ans] == 0.1) | (w[:-n_ans] == 2.0))
+        np.testing.assert_array_equal(src[i]["tokens"], toks)  # deterministic
+    assert len(seen) >= 8
+    other = open_source("synthetic:all:n=1000,seed=4", cfg)
+    assert not np.array_equal(other[0]["tokens"], src[0]["tokens"])
+
+
+def test_synthetic_spec_errors():
+    assert parse_spec("synthetic:mqar")[0] == "mqar"
+    with pytest.raises(ValueError, match="bad option"):
+        parse_spec("synthetic:mqar:lenght=3")
+    with pytest.raises(ValueError, match="unknown task"):
+        open_source("synthetic:bogus", DataConfig())
+    with pytest.raises(ValueError, match="seq_len"):
+        open_source("synthetic:niah_multiquery", DataConfig(seq_len=300))
+
+
+def test_data_package_does_not_import_eval():
+    code = ("import sys, aiinfra_jax.data; "
+            "print(any(m.startswith('aiinfra_jax.eval') for m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_longctx_tiny_preset_sources_open():
+    from pathlib import Path
+
+    from aiinfra_jax.config import load_preset
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_preset(root / "configs" / "longctx_tiny.py")
+    synthetic = [s for s in cfg.data.sources if s.startswith("synthetic:")]
+    assert synthetic and "embedded" in cfg.data.sources
+    for spec in synthetic:
+        src = open_source(spec, cfg.data)
+        doc = src[int(np.random.default_rng().integers(len(src)))]
+        assert doc["tokens"].size <= cfg.data.seq_len + 1
+    # Room to evaluate at 4x the training length, answer included.
+    assert cfg.model.max_seq_len >= 4 * cfg.data.seq_len + 64
+
+
+def test_training_documents_are_not_evaluation_examples():
+    src = open_source("synthetic:niah_single_1:n=100", DataConfig(seq_len=512))
+    ex = src.example(int(src.split_indices("train", 0.05)[0]))
+    evals = {make_task_example(TOK, "niah_single_1", 400, 0.5, s).answers for s in range(200)}
+    assert ex.answers not in evals and ex.seed >= 2**40
