@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 CONFIG ?= configs/tiny.py
 ARGS   ?=
 
-.PHONY: train test install install-dev bench-train bench-kernels clean-venv
+.PHONY: train test install install-dev bench-train bench-kernels bench-nsa bench-attnres clean-venv
 
 $(VENV)/.stamp-base: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,15 @@ bench-train: $(VENV)/.stamp-base
 
 bench-kernels: $(VENV)/.stamp-base
 	$(PY) -m aiinfra_jax.eval.bench_kernels $(ARGS)
+
+# NSA layer vs dense layer (forward, forward+backward, decode); `make bench-nsa NSA_BENCH=quality`
+# trains dense and NSA at matched parameters instead.
+NSA_BENCH ?= layer
+bench-nsa: $(VENV)/.stamp-base
+	$(PY) -m aiinfra_jax.eval.bench_nsa $(NSA_BENCH) $(ARGS)
+
+bench-attnres: $(VENV)/.stamp-base
+	$(PY) -m aiinfra_jax.eval.bench_attnres $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -48,6 +48,13 @@ class NSAConfig:
     window: int = 512
     separate_kv: bool = True  # separate K/V projections per branch (the paper's recommendation)
     remap: str = "overlap"  # "overlap" | "eq9": compression -> selection score remap
+    cmp_mlp_hidden: int | None = None  # hidden width of the compression MLP; None = head_dim
+    # Initial biases of the per-head sigmoid gates (compressed, selected, window): the default
+    # starts the window branch at sigmoid(1) = 0.73 and the two sparse branches at 0.27.
+    gate_bias: tuple[float, ...] = (-1.0, -1.0, 1.0)
+    # Kernel backend of all three branches: None (best available), "xla", "pallas_gpu",
+    # "pallas_tpu".
+    implementation: str | None = None
 
     def __post_init__(self):
         for name in ("cmp_block_len", "cmp_stride", "sel_block_size", "n_selected", "window"):
@@ -66,6 +73,26 @@ class NSAConfig:
                              f"= {self.n_init + self.n_local} (the always-selected blocks)")
         if self.remap not in ("overlap", "eq9"):
             raise ValueError(f"NSAConfig.remap={self.remap!r}: valid choices: 'overlap', 'eq9'")
+        if self.remap == "eq9" and (self.cmp_block_len % self.cmp_stride
+                                    or self.sel_block_size % self.cmp_stride):
+            raise ValueError(f"NSAConfig.remap='eq9' needs cmp_stride={self.cmp_stride} to divide "
+                             f"cmp_block_len={self.cmp_block_len} and sel_block_size="
+                             f"{self.sel_block_size}; use remap='overlap' or change the sizes")
+        h = self.cmp_mlp_hidden
+        if h is not None and (not isinstance(h, int) or isinstance(h, bool) or h <= 0):
+            raise ValueError(f"NSAConfig.cmp_mlp_hidden={h!r}: must be a positive int or None "
+                             "(= head_dim)")
+        if isinstance(self.gate_bias, list):
+            object.__setattr__(self, "gate_bias", tuple(self.gate_bias))
+        gb = self.gate_bias
+        if (not isinstance(gb, tuple) or len(gb) != 3 or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+                for x in gb)):
+            raise ValueError(f"NSAConfig.gate_bias={gb!r}: must be 3 finite numbers (compressed, "
+                             "selected, window gate biases)")
+        if self.implementation not in (None, "xla", "pallas_gpu", "pallas_tpu"):
+            raise ValueError(f"NSAConfig.implementation={self.implementation!r}: valid choices: "
+                             "None (best available), 'xla', 'pallas_gpu', 'pallas_tpu'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +104,12 @@ class AttnResConfig:
 
     def __post_init__(self):
         if not isinstance(self.n_blocks, int) or isinstance(self.n_blocks, bool) or self.n_blocks <= 0:
-            raise ValueError(f"AttnResConfig.n_blocks={self.n_blocks!r}: must be a positive int")
+            raise ValueError(f"AttnResConfig.n_blocks={self.n_blocks!r}: must be a positive int "
+                             "dividing 2 * n_layers (each mixer and each FFN is one AttnRes layer)")
+        choices = (None, "xla", "pallas_gpu", "pallas_tpu")
+        if self.implementation not in choices:
+            raise ValueError(f"AttnResConfig.implementation={self.implementation!r}: valid "
+                             f"choices: {choices}")
 
 
 @dataclasses.dataclass(frozen=True)

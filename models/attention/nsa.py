@@ -1,0 +1,352 @@
+"""Native Sparse Attention ("nsa" mixer, arXiv 2502.11089) with a decoding cache.
+
+Shape letters: B batch, T new tokens, S cache slots (max_len) or keys, D d_model, H query heads,
+K key/value heads (H = G * K), Dh head_dim, C compressed tokens, J compressed tokens built in one
+call, L compression block length (l), F compression-MLP width, n selected blocks.
+
+Three branches share the query and are mixed by per-head sigmoid gates computed from the layer
+input:
+  cmp  compression: the raw (un-rotated) keys / values of the branch are cut into blocks of L
+       tokens with stride d; block i (raw rows [i*d, i*d + L)) becomes one compressed key and one
+       compressed value via mean(x + pe) + MLP(x + pe) (pe: learned intra-block position encoding;
+       separate weights for K and V). The compressed key is rotated (RoPE) at the position of the
+       block's last token. Queries attend through flash_attention's compressed mask (whole block
+       in the past).
+  slc  selection: select_blocks scores selection blocks of l' raw keys from q, the compressed keys
+       and the compression branch's log-sum-exp; sparse_attention attends to the top-n blocks.
+  win  sliding window: flash_attention(window=w).
+All attention arithmetic lives in the shared kernels (kernels/flash_attention, block_selection,
+sparse_attention); NSAConfig.implementation picks their backend (None = best available).
+
+Packed documents (segment_ids, training): every branch masks by segment; a compressed block that
+spans a document boundary gets kv segment id -1, so no query sees it. Blocks and windows are laid
+out on the row index, like the kernels' positions.
+
+Cache (prefill / decode, see models/registry.py): raw K/V of the selection and window branches
+[B,S,K,Dh] (one pair when shared), the compression branch's last l - 1 un-rotated inputs
+("k_src"/"v_src" [B,l-1,K,Dh]), compressed K/V [B,C,K,Dh] (C = compressed tokens that fit in S) and
+lengths [B]. A call writes the T new tokens at each row's length, then compresses every block that
+these tokens complete (at most ceil(T/d) per row: a new compressed token every d tokens). A decode
+step reads the C compressed tokens, the n selected blocks (gathered before sparse_attention) and the
+last w keys (gathered before flash_attention): O(S/d + n*l' + w) work; pass the cache as a donated
+argument (or loop inside one jit) so the O(1) writes happen in place.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from aiinfra_jax.kernels.block_selection import select_blocks
+from aiinfra_jax.kernels.flash_attention import AttentionMask, flash_attention
+from aiinfra_jax.kernels.sparse_attention import sparse_attention
+
+from ..config import ModelConfig
+from ..layers import apply_rope, out_proj_std
+from ..registry import register_mixer
+from .dense import write_cache
+
+NSACache = dict[str, jax.Array]
+BRANCHES = ("cmp", "slc", "win")  # order of the gate's last axis and of NSAConfig.gate_bias
+
+
+def n_compressed(seq_len: int, block_len: int, stride: int) -> int:
+    """Compressed tokens whose block fits in seq_len raw tokens (at least 1: a never-visible
+    placeholder when seq_len < block_len keeps the kernels' key axis non-empty)."""
+    return max(1, (seq_len - block_len) // stride + 1)
+
+
+def _cache_keys(separate_kv: bool) -> dict[str, tuple[str, str]]:
+    """Branch -> its (key, value) raw cache entries [B,S,K,Dh]."""
+    if separate_kv:
+        return {"slc": ("k_slc", "v_slc"), "win": ("k_win", "v_win")}
+    return {"slc": ("k", "v"), "win": ("k", "v")}
+
+
+def _tail_len(block_len: int) -> int:
+    """Raw tokens of the compression branch kept in the cache: the l - 1 before the next token."""
+    return max(block_len - 1, 1)
+
+
+@register_mixer("nsa")
+class NSAttention(nnx.Module):
+    """NSA token mixer: compressed, selected and sliding-window attention, gated per head.
+
+    Parameters: wq [D,H,Dh]; wk, wv [D,3,K,Dh] (cmp, slc, win; [D,1,K,Dh] with separate_kv=False);
+    wo [H,Dh,D]; gates w_gate [D,H,3] ~ N(0, init_std) and b_gate [H,3] = NSAConfig.gate_bias, so
+    at initialisation every gate is close to sigmoid(bias) (default: window 0.73, compressed and
+    selected 0.27); compression MLPs (index 0 keys, 1 values) cmp_pe [2,L,Dh], cmp_w1 [2,L,Dh,F],
+    cmp_b1 [2,F], cmp_w2 [2,F,Dh], cmp_b2 [2,Dh] (F = NSAConfig.cmp_mlp_hidden or Dh).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        c = cfg.nsa
+        d, h, k, dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
+        std, pdt = cfg.init_std, cfg.param_dtype
+        n_kv = 3 if c.separate_kv else 1
+        width, blk = c.cmp_mlp_hidden or dh, c.cmp_block_len
+        branch_kv = ("embed", "nsa_branch", "kv_heads", "head_dim")
+        # name: (shape, logical axes, init std). Drawn from one normal sample (one random program
+        # to compile instead of eight; CPU compile time of each threefry draw is ~1 s).
+        specs = {
+            "wq": ((d, h, dh), ("embed", "heads", "head_dim"), std),
+            # K/V projections per branch (cmp, slc, win), or one shared branch.
+            "wk": ((d, n_kv, k, dh), branch_kv, std),
+            "wv": ((d, n_kv, k, dh), branch_kv, std),
+            "wo": ((h, dh, d), ("heads", "head_dim", "embed"), out_proj_std(cfg)),
+            # Gates g = sigmoid(x W + b) per head and branch; b starts at NSAConfig.gate_bias.
+            "w_gate": ((d, h, 3), ("embed", "heads", "nsa_branch"), std),
+            # Compression MLPs, index 0 for keys and 1 for values: pe is the intra-block position
+            # encoding; w1 is the [L*Dh -> F] layer, w2 the [F -> Dh] layer.
+            "cmp_pe": ((2, blk, dh), ("nsa_kv", "nsa_block", "head_dim"), std),
+            "cmp_w1": ((2, blk, dh, width), ("nsa_kv", "nsa_block", "head_dim", "nsa_mlp"),
+                       (blk * dh) ** -0.5),
+            "cmp_w2": ((2, width, dh), ("nsa_kv", "nsa_mlp", "head_dim"), width ** -0.5),
+        }
+        sizes = [math.prod(shape) for shape, _, _ in specs.values()]
+        flat = jax.random.normal(rngs.params(), (sum(sizes),), jnp.float32)
+        offsets = np.cumsum([0] + sizes)
+        for (name, (shape, axes, sd)), lo, hi in zip(specs.items(), offsets[:-1], offsets[1:]):
+            value = (flat[lo:hi].reshape(shape) * sd).astype(pdt)
+            setattr(self, name, nnx.Param(value, logical_axes=axes))
+        bias = np.broadcast_to(np.asarray(c.gate_bias, np.float32), (h, 3))
+        self.b_gate = nnx.Param(jnp.asarray(bias, pdt), logical_axes=("heads", "nsa_branch"))
+        self.cmp_b1 = nnx.Param(jnp.zeros((2, width), pdt), logical_axes=("nsa_kv", "nsa_mlp"))
+        self.cmp_b2 = nnx.Param(jnp.zeros((2, dh), pdt), logical_axes=("nsa_kv", "head_dim"))
+
+    # Pieces -----------------------------------------------------------------------------------
+    def _project(self, x_btd: jax.Array, positions_bt: jax.Array):
+        """q [B,T,H,Dh] (rotated), gates [B,T,H,3] float32, and per cache entry its new values
+        {name: [B,T,K,Dh]} (slc / win keys rotated, compression inputs not)."""
+        cfg = self.cfg
+        dt = jnp.dtype(cfg.dtype)
+        x = x_btd.astype(dt)
+        q = apply_rope(jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt)), positions_bt,
+                       cfg.rope_theta)
+        k_nbtkd = jnp.einsum("btd,dnhk->nbthk", x, self.wk[...].astype(dt))
+        v_nbtkd = jnp.einsum("btd,dnhk->nbthk", x, self.wv[...].astype(dt))
+        logits = jnp.einsum("btd,dhc->bthc", x, self.w_gate[...].astype(dt),
+                            preferred_element_type=jnp.float32)
+        gates = jax.nn.sigmoid(logits + self.b_gate[...].astype(jnp.float32))
+        rot = lambda a: apply_rope(a, positions_bt, cfg.rope_theta)  # noqa: E731
+        if cfg.nsa.separate_kv:
+            new = {"k_src": k_nbtkd[0], "v_src": v_nbtkd[0], "k_slc": rot(k_nbtkd[1]),
+                   "v_slc": v_nbtkd[1], "k_win": rot(k_nbtkd[2]), "v_win": v_nbtkd[2]}
+        else:
+            new = {"k_src": k_nbtkd[0], "v_src": v_nbtkd[0], "k": rot(k_nbtkd[0]),
+                   "v": v_nbtkd[0]}
+        return q, gates, new
+
+    def compress(self, k_src: jax.Array, v_src: jax.Array, starts_bj: jax.Array,
+                 end_positions_bj: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Compressed keys / values [B,J,K,Dh] of the blocks of raw rows [start, start + L) of
+        k_src / v_src [B,S,K,Dh] (un-rotated); keys rotated at end_positions [B,J]. Rows past S
+        are clamped (the caller hides such blocks)."""
+        dt = jnp.dtype(self.cfg.dtype)
+        blk = self.cfg.nsa.cmp_block_len
+        b, j = starts_bj.shape
+        rows = jnp.clip(starts_bj[:, :, None] + jnp.arange(blk, dtype=jnp.int32), 0,
+                        k_src.shape[1] - 1).reshape(b, j * blk, 1, 1)
+        out = []
+        for kv, src in enumerate((k_src, v_src)):
+            win = jnp.take_along_axis(src.astype(dt), rows, axis=1)
+            win = win.reshape(b, j, blk, *src.shape[2:])                      # [B,J,L,K,Dh]
+            win = win + self.cmp_pe[kv].astype(dt)[None, None, :, None, :]
+            hid = jnp.einsum("bjlkd,ldf->bjkf", win, self.cmp_w1[kv].astype(dt))
+            hid = jax.nn.silu(hid + self.cmp_b1[kv].astype(dt))
+            y = jnp.einsum("bjkf,fd->bjkd", hid, self.cmp_w2[kv].astype(dt))
+            out.append(jnp.mean(win, axis=2) + y + self.cmp_b2[kv].astype(dt))
+        return apply_rope(out[0], end_positions_bj, self.cfg.rope_theta), out[1]
+
+    def _branches(self, q, gates, kv: dict[str, tuple[jax.Array, jax.Array]], *, seq_len: int,
+                  q_offset=None, segment_ids=None, cmp_segment_ids=None, win_offset=None):
+        """Gated sum [B,T,H,Dh] of the three branches. kv: branch -> (k, v) in the compute dtype;
+        seq_len: raw key length of the slc keys; win_offset: q_offset for the window keys."""
+        c = self.cfg.nsa
+        impl = c.implementation
+        k_cmp, v_cmp = kv["cmp"]
+        cmp_seg = None if segment_ids is None else (segment_ids, cmp_segment_ids)
+        o_cmp, lse_cmp = flash_attention(
+            q, k_cmp, v_cmp, mask=AttentionMask(compressed=(c.cmp_block_len, c.cmp_stride)),
+            segment_ids=cmp_seg, q_offset=q_offset, return_lse=True, implementation=impl)
+        idx = select_blocks(q, k_cmp, lse_cmp, seq_len=seq_len, cmp_block_len=c.cmp_block_len,
+                            cmp_stride=c.cmp_stride, block_size=c.sel_block_size,
+                            n_selected=c.n_selected, n_init=c.n_init, n_local=c.n_local,
+                            remap=c.remap, q_offset=q_offset, q_segment_ids=segment_ids,
+                            implementation=impl)
+        k_slc, v_slc = kv["slc"]
+        if q_offset is not None and q.shape[1] == 1:
+            o_slc = self._decode_selected(q, k_slc, v_slc, idx, q_offset)
+        else:
+            o_slc = sparse_attention(q, k_slc.astype(q.dtype), v_slc.astype(q.dtype), idx,
+                                     block_size=c.sel_block_size, segment_ids=segment_ids,
+                                     q_offset=q_offset, implementation=impl)
+        k_win, v_win = kv["win"]
+        o_win = flash_attention(q, k_win, v_win, mask=AttentionMask(window=c.window),
+                                segment_ids=segment_ids, q_offset=win_offset,
+                                implementation=impl)
+        g = gates.astype(q.dtype)
+        return g[..., 0, None] * o_cmp + g[..., 1, None] * o_slc + g[..., 2, None] * o_win
+
+    def _decode_selected(self, q, k, v, idx, lengths):
+        """Selection branch of one decode step (T = 1) in O(n*l'): the selected blocks of the
+        cache k, v [B,S,K,Dh] are gathered into n + 1 slots [B,(n+1)*l',K,Dh] (the query's own,
+        partly written block moved to the last slot, so its causal limit is the same for every KV
+        head and is passed as kv segment ids) and sparse_attention runs on that short key axis.
+        Without the gather the kernel would re-layout the whole cache (O(S)) every step."""
+        c = self.cfg.nsa
+        size = c.sel_block_size
+        batch, slots, kv_heads = k.shape[:3]
+        n = idx.shape[-1]
+        own = (lengths // size)[:, None, None, None]
+        is_own = idx == own
+        blocks = jnp.concatenate([jnp.where(is_own, -1, idx),
+                                  jnp.where(is_own.any(-1, keepdims=True), own, -1)], axis=-1)
+        rows = jnp.maximum(blocks[:, 0], 0)[..., None] * size + jnp.arange(size)  # [B,K,n+1,P]
+        rows = jnp.minimum(rows, slots - 1).reshape(batch, kv_heads, -1).transpose(0, 2, 1)
+        k_sel, v_sel = (jnp.take_along_axis(a, rows[..., None], axis=1).astype(q.dtype)
+                        for a in (k, v))
+        local = jnp.where(blocks >= 0, jnp.arange(n + 1, dtype=jnp.int32), -1)
+        slot = jnp.arange((n + 1) * size, dtype=jnp.int32)
+        kv_seg = ((slot[None, :] < n * size)
+                  | (slot[None, :] - n * size <= (lengths % size)[:, None])).astype(jnp.int32)
+        q_seg = jnp.ones((batch, 1), jnp.int32)
+        return sparse_attention(q, k_sel, v_sel, local, block_size=size, causal=False,
+                                segment_ids=(q_seg, kv_seg), implementation=c.implementation)
+
+    # Forward ----------------------------------------------------------------------------------
+    def __call__(self, x_btd: jax.Array, *, positions: jax.Array,
+                 segment_ids: jax.Array | None = None,
+                 cache: NSACache | None = None) -> tuple[jax.Array, NSACache | None]:
+        dt = jnp.dtype(self.cfg.dtype)
+        q, gates, new = self._project(x_btd, positions)
+        if cache is None:
+            y = self._forward(q, gates, new, positions, segment_ids)
+            new_cache = None
+        else:
+            y, new_cache = self._cached(q, gates, new, positions, segment_ids, cache)
+        out = jnp.einsum("bthk,hkd->btd", y.astype(dt), self.wo[...].astype(dt))
+        return out, new_cache
+
+    def _forward(self, q, gates, new, positions, segment_ids):
+        """Training / full-sequence path (no cache); packed documents via segment_ids."""
+        c = self.cfg.nsa
+        names = _cache_keys(c.separate_kv)
+        batch, seq = q.shape[:2]
+        n_cmp = n_compressed(seq, c.cmp_block_len, c.cmp_stride)
+        starts = jnp.broadcast_to(jnp.arange(n_cmp, dtype=jnp.int32) * c.cmp_stride,
+                                  (batch, n_cmp))
+        ends = starts + c.cmp_block_len - 1
+        end_pos = jnp.take_along_axis(positions, jnp.minimum(ends, seq - 1), axis=1)
+        k_cmp, v_cmp = self.compress(new["k_src"], new["v_src"], starts, end_pos)
+        cmp_seg = None
+        if segment_ids is not None:
+            seg = segment_ids.astype(jnp.int32)
+            rows = jnp.minimum(starts[:, :, None] + jnp.arange(c.cmp_block_len), seq - 1)
+            seg_win = jnp.take_along_axis(seg, rows.reshape(batch, -1), axis=1).reshape(rows.shape)
+            one_doc = (seg_win.min(-1) == seg_win.max(-1)) & (ends < seq)
+            cmp_seg = jnp.where(one_doc, seg_win[..., 0], -1)
+            segment_ids = seg
+        kv = {"cmp": (k_cmp, v_cmp), "slc": tuple(new[n] for n in names["slc"]),
+              "win": tuple(new[n] for n in names["win"])}
+        return self._branches(q, gates, kv, seq_len=seq, segment_ids=segment_ids,
+                              cmp_segment_ids=cmp_seg)
+
+    def _cached(self, q, gates, new, positions, segment_ids, cache):
+        """Prefill / decode: write the new tokens, compress the blocks they complete, attend."""
+        c = self.cfg.nsa
+        dt = jnp.dtype(self.cfg.dtype)
+        names = _cache_keys(c.separate_kv)
+        lengths = cache["lengths"]
+        batch, seq = q.shape[:2]
+        slots = cache[names["slc"][0]].shape[1]
+        n_cmp = cache["k_cmp"].shape[1]
+        if segment_ids is None:
+            added = jnp.full_like(lengths, seq)
+        else:
+            added = jnp.sum(segment_ids != 0, axis=1).astype(lengths.dtype)
+        out = {"lengths": lengths + added}
+        for name in {n for pair in names.values() for n in pair}:
+            out[name] = write_cache(cache[name], new[name], lengths)
+        # Compression sources: the cached tail (rows [len - m, len)) followed by the new tokens;
+        # index c of `src` is row len - m + c. Blocks end at rows e in [len, len + added) with
+        # i*d + L - 1 = e (at most ceil(T / d) of them).
+        d, blk = c.cmp_stride, c.cmp_block_len
+        m = _tail_len(blk)
+        src = {n: jnp.concatenate([cache[n].astype(dt), new[n]], axis=1)
+               for n in ("k_src", "v_src")}
+        keep = (added[:, None] + jnp.arange(m, dtype=jnp.int32))[:, :, None, None]
+        for n in ("k_src", "v_src"):
+            out[n] = jnp.take_along_axis(src[n], keep, axis=1).astype(cache[n].dtype)
+        n_new = -(-seq // d)
+        first = jnp.maximum(-(-(lengths - blk + 1) // d), 0)
+        idx_bj = first[:, None] + jnp.arange(n_new, dtype=jnp.int32)[None, :]
+        ends = idx_bj * d + blk - 1
+        valid = (ends < lengths[:, None] + added[:, None]) & (idx_bj < n_cmp)
+        end_pos = jnp.take_along_axis(positions, jnp.clip(ends - lengths[:, None], 0, seq - 1),
+                                      axis=1)
+        k_new, v_new = self.compress(src["k_src"], src["v_src"],
+                                     idx_bj * d - (lengths[:, None] - m), end_pos)
+        rows = jnp.broadcast_to(jnp.arange(batch)[:, None], idx_bj.shape)
+        target = jnp.where(valid, idx_bj, n_cmp)  # out of range: dropped
+        for name, value in (("k_cmp", k_new), ("v_cmp", v_new)):
+            out[name] = cache[name].at[rows, target].set(value.astype(cache[name].dtype),
+                                                         mode="drop")
+        # The window branch reads only the last w + T - 1 slots.
+        win_len = min(slots, c.window + seq - 1)
+        start = jnp.clip(lengths - (c.window - 1), 0, slots - win_len)
+        win_rows = (start[:, None] + jnp.arange(win_len, dtype=jnp.int32))[:, :, None, None]
+        k_win, v_win = (jnp.take_along_axis(out[n], win_rows, axis=1).astype(dt)
+                        for n in names["win"])
+        kv = {"cmp": (out["k_cmp"].astype(dt), out["v_cmp"].astype(dt)),
+              "slc": tuple(out[n] for n in names["slc"]), "win": (k_win, v_win)}
+        y = self._branches(q, gates, kv, seq_len=slots, q_offset=lengths,
+                           win_offset=lengths - start)
+        return y, out
+
+    def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> NSACache:
+        c = self.cfg.nsa
+        dtype = jnp.dtype(dtype or self.cfg.dtype)
+        kv_shape = (self.cfg.n_kv_heads, self.cfg.resolved_head_dim)
+        n_cmp = n_compressed(max_len, c.cmp_block_len, c.cmp_stride)
+        names = sorted({n for pair in _cache_keys(c.separate_kv).values() for n in pair})
+        cache = {n: jnp.zeros((batch, max_len) + kv_shape, dtype) for n in names}
+        tail = (batch, _tail_len(c.cmp_block_len)) + kv_shape
+        cache["k_src"], cache["v_src"] = jnp.zeros(tail, dtype), jnp.zeros(tail, dtype)
+        cache["k_cmp"] = jnp.zeros((batch, n_cmp) + kv_shape, dtype)
+        cache["v_cmp"] = jnp.zeros((batch, n_cmp) + kv_shape, dtype)
+        cache["lengths"] = jnp.zeros((batch,), jnp.int32)
+        return cache
+
+    # Cost -------------------------------------------------------------------------------------
+    def attended_keys(self, seq_len: int) -> dict[str, float]:
+        """Average keys per query of each branch over a causal sequence of seq_len tokens
+        (compressed tokens, selected raw keys, window keys)."""
+        c = self.cfg.nsa
+        p = np.arange(seq_len, dtype=np.float64)
+        cmp = np.maximum(np.floor((p - c.cmp_block_len + 1) / c.cmp_stride) + 1, 0)
+        lp = c.sel_block_size
+        slc = np.minimum(p + 1, (c.n_selected - 1) * lp + p % lp + 1)
+        win = np.minimum(p + 1, c.window)
+        return {"cmp": float(cmp.mean()), "slc": float(slc.mean()), "win": float(win.mean())}
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Forward FLOPs per token: projections (q, per-branch k/v, o, gates), the compression MLPs
+        (one block per d tokens, K and V), the compressed-key scores of the compressed branch and
+        again of the block scoring, and 4*H*Dh per key attended in each branch."""
+        cfg, c = self.cfg, self.cfg.nsa
+        d, h, k, dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
+        n_kv = 3 if c.separate_kv else 1
+        width = c.cmp_mlp_hidden or dh
+        proj = 2.0 * d * dh * (2 * h + 2 * n_kv * k) + 2.0 * d * h * 3
+        mlp = 2 * k * 2.0 * (c.cmp_block_len * dh * width + width * dh) / c.cmp_stride
+        keys = self.attended_keys(seq_len)
+        attn = 4.0 * h * dh * (keys["cmp"] + keys["slc"] + keys["win"])
+        scoring = 2.0 * h * dh * keys["cmp"]
+        return proj + mlp + attn + scoring
