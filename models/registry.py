@@ -31,6 +31,9 @@ Residual scheme -- a per-layer module `cls(cfg, *, rngs)` with
   `sublayer_input(carry, k) -> h`       k = 0 for the mixer, 1 for the FFN (the layer norms h)
   `update(carry, out, k) -> carry`      fold the sublayer output into the carry
   `finalize(cfg, carry) -> x [B,T,D]`   classmethod, model level, before the final norm
+  `make_final(cfg, *, rngs) -> module`  optional classmethod: a model-level module (for example
+      Attention Residuals' final aggregation query) that replaces `finalize`; the Transformer
+      stores it as `residual_final` and calls it with the carry.
   The carry is any pytree; it flows through the layer scan.
 """
 

@@ -119,6 +119,11 @@ class Transformer(nnx.Module):
                                     for r in range(cfg.n_repeats)])
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
         self.head = None if cfg.tie_embeddings else OutputHead(cfg, rngs=rngs)
+        # Optional residual-scheme hook: a classmethod `make_final(cfg, *, rngs) -> module` gives
+        # model-level parameters (AttnRes's final aggregation query); `module(carry)` then
+        # replaces `finalize(cfg, carry)`.
+        make_final = getattr(get_residual(cfg.residual), "make_final", None)
+        self.residual_final = None if make_final is None else make_final(cfg, rngs=rngs)
 
     # Forward -------------------------------------------------------------------------------
     def __call__(self, tokens: jax.Array, *, positions: jax.Array,
@@ -172,7 +177,8 @@ class Transformer(nnx.Module):
                     aux[k] = aux.get(k, 0.0) + v
             new_cache = (None if cache is None else
                          jax.tree.map(lambda *a: jnp.stack(a), *new_blocks_caches))
-        x = residual_cls.finalize(cfg, carry)
+        x = (residual_cls.finalize(cfg, carry) if self.residual_final is None
+             else self.residual_final(carry))
         return self.final_norm(x), new_cache, aux
 
     def logits(self, x: jax.Array) -> jax.Array:

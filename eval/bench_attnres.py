@@ -1,0 +1,218 @@
+"""Attention Residuals benchmark: training-step and forward overhead against the standard residual,
+and validation loss at equal steps and tokens for standard / Full / Block AttnRes.
+
+    python -m aiinfra_jax.eval.bench_attnres [--config configs/tiny.py] [--set k=v ...]
+        [--steps 20] [--deep-layers 16] [--deep-set k=v ...] [--train-steps 600]
+        [--eval-batches 32] [--skip-overhead] [--skip-quality] [--out-dir runs/bench_attnres]
+
+Reduced size (a few CPU minutes):
+    python -m aiinfra_jax.eval.bench_attnres --set model.d_model=128 --set data.seq_len=128 \\
+        --set data.batch_size=8 --steps 10 --deep-layers 12 --train-steps 150 --eval-batches 8
+
+1. Overhead: for the config and a deeper copy (n_layers = --deep-layers), each residual scheme's
+   jitted train step and forward (eval step) on one batch already on the device: median time over
+   --steps calls after a warm-up, the ratio to "standard" measured in the same run, and beside it
+   the theoretical extra work of depth attention (FLOPs and bytes read per token, forward).
+2. Quality: aiinfra_jax.train.train for --train-steps steps per scheme on the config's corpus (same
+   data, seed, batch and steps, so equal tokens); final validation loss (eval.final_batches =
+   --eval-batches) and the training-loss curves -> a PNG and a JSON in --out-dir.
+The paper (at scale) reports < 4% training and < 2% inference overhead; small models may not gain
+in loss (reproductions at small depth disagree): the benchmark reports what it sees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import jax
+from flax import nnx
+
+from aiinfra_jax import sharding as shd
+from aiinfra_jax.config import load_config
+from aiinfra_jax.data import make_iterator
+from aiinfra_jax.eval.bench_train import device_description
+from aiinfra_jax.train import Trainer, train
+
+RESIDUALS = ("standard", "attnres_full", "attnres_block")
+
+
+def depth_attention_cost(cfg) -> dict:
+    """Forward FLOPs and bytes per token of depth attention (sublayer inputs + final aggregation),
+    counting only the used slots (what the Pallas kernels read)."""
+    m = cfg.model
+    J, D = 2 * m.n_layers, m.d_model
+    item = 2 if m.dtype == "bfloat16" else 4
+    if m.residual == "attnres_full":
+        reads = sum(j + 1 for j in range(J)) + (J + 1)          # sublayer j reads j + 1 sources
+    elif m.residual == "attnres_block":
+        per_block = J // m.attnres.n_blocks
+        reads = sum(1 + j // per_block + (j % per_block > 0) for j in range(J))
+        reads += m.attnres.n_blocks + 1
+    else:
+        return {"depth_flops_per_token": 0.0, "depth_bytes_per_token": 0.0}
+    # per source read: RMSNorm (3D), score (2D), exp-weighted accumulation (2D)
+    return {"depth_flops_per_token": float(reads * 7 * D),
+            "depth_bytes_per_token": float(reads * D * item)}
+
+
+def time_scheme(cfg, steps: int) -> dict:
+    trainer = Trainer(cfg)
+    state = trainer.init_state()
+    jtrain, jeval = trainer.compiled_steps()
+    batch = next(make_iterator(cfg.data, trainer.tokenizer, split="train", seed=cfg.run.seed))
+    batch = shd.shard_batch(batch, trainer.mesh)
+    state, m = jtrain(state, batch)                                   # compile + warm-up
+    jax.block_until_ready(m)
+    train_times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state, m = jtrain(state, batch)
+        jax.block_until_ready((state, m))
+        train_times.append(time.perf_counter() - t0)
+    params = state["params"]
+    jax.block_until_ready(jeval(params, batch))                      # compile + warm-up
+    fwd_times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(jeval(params, batch))
+        fwd_times.append(time.perf_counter() - t0)
+    model = nnx.merge(trainer.graphdef, trainer.abstract_params, trainer.rest)
+    return {"train_step_s": statistics.median(train_times),
+            "forward_s": statistics.median(fwd_times),
+            "model_flops_per_token": float(model.flops_per_token(cfg.data.seq_len)),
+            "params": int(model.num_params()), **depth_attention_cost(cfg)}
+
+
+def overhead(config: str, overrides: list[str], steps: int, label: str,
+             residuals=RESIDUALS) -> list[dict]:
+    rows = []
+    for residual in residuals:
+        cfg = load_config(config, overrides + [f"model.residual={residual}"])
+        print(f"[overhead/{label}] {residual} ...", flush=True)
+        rows.append({"setting": label, "residual": residual, "n_layers": cfg.model.n_layers,
+                     "d_model": cfg.model.d_model, **time_scheme(cfg, steps)})
+        print(f"  train step {rows[-1]['train_step_s'] * 1e3:.1f} ms, forward "
+              f"{rows[-1]['forward_s'] * 1e3:.1f} ms", flush=True)
+    base = rows[0]
+    for r in rows:
+        r["train_ratio"] = r["train_step_s"] / base["train_step_s"]
+        r["forward_ratio"] = r["forward_s"] / base["forward_s"]
+        r["depth_flops_frac"] = r["depth_flops_per_token"] / r["model_flops_per_token"]
+    return rows
+
+
+def quality(config: str, overrides: list[str], train_steps: int, eval_batches: int,
+            residuals=RESIDUALS) -> list[dict]:
+    rows = []
+    for residual in residuals:
+        print(f"[quality] {residual}: {train_steps} steps ...", flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = load_config(config, overrides + [
+                f"model.residual={residual}", f"run.run_dir={tmp}/run", f"run.steps={train_steps}",
+                f"run.log_every={max(train_steps // 30, 1)}", "run.progress=false",
+                "eval.every=0", f"eval.final_batches={eval_batches}", "checkpoint.every=0"])
+            t0 = time.perf_counter()
+            s = train(cfg, quiet=True)
+            wall = time.perf_counter() - t0
+        rows.append({"residual": residual, "steps": train_steps,
+                     "tokens": train_steps * cfg.data.batch_size * cfg.data.seq_len,
+                     "val_loss": float(s["validation"]["loss"]), "wall_s": wall,
+                     "curve": [(r["step"], float(r["loss"])) for r in s["history"]]})
+        print(f"  val loss {rows[-1]['val_loss']:.4f} ({wall:.0f} s)", flush=True)
+    return rows
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in rows:
+        steps, losses = zip(*r["curve"])
+        a.plot(steps, losses, label=r["residual"])
+    a.set_xlabel("step")
+    a.set_ylabel("training loss (nats/token)")
+    a.legend()
+    a.set_title("training loss")
+    names = [r["residual"] for r in rows]
+    vals = [r["val_loss"] for r in rows]
+    b.bar(names, vals, color=[f"C{i}" for i in range(len(vals))])
+    lo = min(vals)
+    b.set_ylim(lo - 0.1, max(vals) + 0.05)
+    for i, v in enumerate(vals):
+        b.text(i, v + 0.005, f"{v:.4f}", ha="center")
+    b.set_title("validation loss at equal steps")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/tiny.py")
+    ap.add_argument("--set", dest="overrides", action="append", default=[],
+                    help="config override for every run, e.g. --set model.d_model=128")
+    ap.add_argument("--steps", type=int, default=20, help="timed calls per scheme")
+    ap.add_argument("--deep-layers", type=int, default=16, help="n_layers of the deeper setting "
+                    "(0 = skip)")
+    ap.add_argument("--deep-set", dest="deep_overrides", action="append", default=[],
+                    help="extra overrides for the deeper setting only")
+    ap.add_argument("--train-steps", type=int, default=600)
+    ap.add_argument("--eval-batches", type=int, default=32)
+    ap.add_argument("--skip-overhead", action="store_true")
+    ap.add_argument("--skip-quality", action="store_true")
+    ap.add_argument("--residuals", default=",".join(RESIDUALS),
+                    help="comma-separated schemes; overhead ratios need 'standard' first")
+    ap.add_argument("--out-dir", default="runs/bench_attnres")
+    args = ap.parse_args(argv)
+    residuals = tuple(r for r in args.residuals.split(",") if r)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    device = device_description()
+    print(f"device: {device}", flush=True)
+    common = ["mesh.num_devices=1"] + args.overrides if jax.default_backend() == "cpu" \
+        else list(args.overrides)
+    result = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "device": device,
+              "command": " ".join(["python -m aiinfra_jax.eval.bench_attnres"] + sys.argv[1:]),
+              "config": args.config, "overrides": common}
+    if not args.skip_overhead:
+        rows = overhead(args.config, common, args.steps, "base", residuals)
+        if args.deep_layers:
+            rows += overhead(args.config, common + [f"model.n_layers={args.deep_layers}"]
+                             + args.deep_overrides, args.steps, f"deep L={args.deep_layers}",
+                             residuals)
+        result["overhead"] = rows
+        print("\n| setting | residual | L | D | train step ms | ratio | forward ms | ratio | "
+              "depth-attn FLOPs / model FLOPs | depth-attn bytes/token |\n"
+              "|---|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['setting']} | {r['residual']} | {r['n_layers']} | {r['d_model']} | "
+                  f"{r['train_step_s'] * 1e3:.1f} | {r['train_ratio']:.3f} | "
+                  f"{r['forward_s'] * 1e3:.1f} | {r['forward_ratio']:.3f} | "
+                  f"{r['depth_flops_frac']:.2%} | {r['depth_bytes_per_token'] / 1e3:.1f} KB |")
+    if not args.skip_quality:
+        rows = quality(args.config, common, args.train_steps, args.eval_batches, residuals)
+        result["quality"] = rows
+        png = out / "bench_attnres_loss.png"
+        plot(rows, png, f"{args.config} {' '.join(common)} | {device}")
+        print("\n| residual | steps | tokens | val loss | wall s |\n|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['residual']} | {r['steps']} | {r['tokens']} | {r['val_loss']:.4f} | "
+                  f"{r['wall_s']:.0f} |")
+        print(f"wrote {png}")
+    path = out / "bench_attnres.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""Public depth attention (Attention Residuals, arXiv 2603.15031).
+
+Letters: Q queries, S sources (slots of a fixed-size buffer), B batch, T sequence, N = B*T tokens,
+D d_model.
+
+  depth_attention        one fused pass: RMSNorm of the keys, scores against the queries, softmax
+                         over depth, weighted sum of the raw sources (Full AttnRes; phase 1 of
+                         Block AttnRes, batched over every query that shares the finished blocks).
+  merge_partial          phase 2 of Block AttnRes: online-softmax merge of a phase-1 result (o, lse)
+                         with one more source, the current block's partial sum (cheap, plain JAX).
+  block_depth_attention  the two phases composed for one sublayer.
+
+api.py validates inputs, flattens [S,B,T,D] to [S,N,D], picks the implementation and wires the
+custom VJP shared by every implementation:
+  impl.forward(queries, sources, n_valid, *, eps, ...) -> (o, lse)
+  impl.backward(queries, sources, n_valid, o, lse, do, delta, *, eps, ...) -> (dq, dsources)
+with delta = sum(do * o, -1) - dlse (so a cotangent on lse, which phase 2 produces, is honoured).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _dispatch
+from . import pallas_gpu, pallas_tpu, xla
+from .reference import rms_inverse
+
+OP = "depth_attention"
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    implementation: str
+    eps: float
+    interpret: bool
+
+
+def depth_attention(queries: jax.Array, sources: jax.Array, n_valid=None, *, eps: float = 1e-6,
+                    return_lse: bool = False, implementation: str | None = None,
+                    interpret: bool = False):
+    """Softmax attention over depth for every token (see reference.py for the formula).
+
+    Args:
+      queries: [Q, D] pseudo-queries (any float dtype; used in float32).
+      sources: [S, B, T, D] (or any [S, ..., D]) float32 / bfloat16 / float16: the values; the keys
+        are their RMSNorm (no learned scale).
+      n_valid: number of leading slots to attend over (the rest of the fixed-size buffer is masked):
+        None (= S), a Python int in [1, S], or an int32 scalar array (may be traced; a traced value
+        outside [1, S] is clipped to it, a concrete one raises).
+      eps: RMSNorm epsilon.
+      return_lse: also return the float32 log-sum-exp of the scores [Q, B, T].
+      implementation: None (best for the backend), "xla", "pallas_gpu" or "pallas_tpu".
+      interpret: run the Pallas kernel in interpret mode (any backend).
+
+    Returns:
+      o [Q, B, T, D] in sources' dtype, or (o, lse). Differentiable in queries and sources.
+    """
+    impl = _dispatch.resolve_implementation(OP, implementation, interpret=interpret)
+    return _depth_attention_impl(queries, sources, n_valid, eps=eps, return_lse=return_lse,
+                                 implementation=impl, interpret=interpret,
+                                 automatic=implementation is None)
+
+
+def merge_partial(o: jax.Array, lse: jax.Array, queries: jax.Array, partial: jax.Array,
+                  has_partial=True, *, eps: float = 1e-6) -> jax.Array:
+    """Phase 2: o [Q,B,T,D], lse [Q,B,T] from depth_attention over the finished blocks, merged with
+    the partial sum partial [B,T,D] as if it were one more source. has_partial (bool or traced bool
+    scalar) False returns o unchanged. Returns [Q,B,T,D] in o's dtype."""
+    if partial.shape != o.shape[1:] or lse.shape != o.shape[:-1] or queries.shape[0] != o.shape[0]:
+        raise ValueError(f"merge_partial: expected o [Q,B,T,D], lse [Q,B,T], queries [Q,D], "
+                         f"partial [B,T,D]; got o {o.shape}, lse {lse.shape}, queries "
+                         f"{queries.shape}, partial {partial.shape}")
+    v = partial.astype(jnp.float32)
+    z = jnp.einsum("qd,btd->qbt", queries.astype(jnp.float32), v,
+                   precision=jax.lax.Precision.HIGHEST) * rms_inverse(v, eps)[None]
+    m = jnp.maximum(lse, z)
+    a, b = jnp.exp(lse - m), jnp.exp(z - m)
+    merged = (o.astype(jnp.float32) * a[..., None] + v[None] * b[..., None]) / (a + b)[..., None]
+    return jnp.where(has_partial, merged, o.astype(jnp.float32)).astype(o.dtype)
+
+
+def block_depth_attention(queries: jax.Array, blocks: jax.Array, n_finished, partial: jax.Array,
+                          has_partial=True, *, eps: float = 1e-6,
+                          implementation: str | None = None, interpret: bool = False) -> jax.Array:
+    """Block AttnRes input of the sublayers with pseudo-queries `queries` [Q,D]: phase 1 over the
+    finished block summaries blocks[:n_finished] ([N,B,T,D] buffer, one pass batched over the Q
+    queries), then phase 2 merges the current block's partial sum [B,T,D] when has_partial.
+    Equal to one softmax over (finished blocks, partial). Returns [Q,B,T,D] in blocks' dtype."""
+    o, lse = depth_attention(queries, blocks, n_finished, eps=eps, return_lse=True,
+                             implementation=implementation, interpret=interpret)
+    return merge_partial(o, lse, queries, partial, has_partial, eps=eps)
+
+
+def _depth_attention_impl(queries, sources, n_valid=None, *, eps: float = 1e-6,
+                          return_lse: bool = False, implementation: str = "xla",
+                          interpret: bool = False, automatic: bool = False):
+    """depth_attention without the backend check: runs `implementation` as asked (used by the
+    lowering tests, which lower the GPU / TPU kernels from a CPU machine)."""
+    if implementation not in _dispatch.IMPLEMENTATIONS:
+        raise ValueError(f"{OP}: implementation={implementation!r} is not one of "
+                         f"{_dispatch.IMPLEMENTATIONS}")
+    n = _validate(queries, sources, n_valid, eps)
+    S, D = sources.shape[0], sources.shape[-1]
+    lead = sources.shape[1:-1]
+    if implementation != "xla":
+        module = pallas_gpu if implementation == "pallas_gpu" else pallas_tpu
+        reason = module.unsupported_reason(Q=queries.shape[0], S=S, D=D, dtype=sources.dtype)
+        if reason is not None:
+            if not automatic:
+                raise ValueError(f"{OP}: implementation={implementation!r} cannot run these "
+                                 f"shapes: {reason}. Use implementation=None or 'xla'.")
+            implementation = _dispatch.fall_back(OP, implementation, reason)
+    static = _Static(implementation, float(eps), bool(interpret))
+    flat = sources.reshape(S, -1, D)
+    o, lse = _attend(queries, flat, n, static)
+    Q = queries.shape[0]
+    # The kernels return o in float32 (the backward's delta = dO . o then has no rounding error);
+    # the caller gets the sources' dtype.
+    o = o.reshape((Q,) + lead + (D,)).astype(sources.dtype)
+    lse = lse.reshape((Q,) + lead)
+    return (o, lse) if return_lse else o
+
+
+# ----------------------------------------------------------------------------------------------
+# Custom VJP shared by every implementation.
+
+def _module(static: _Static):
+    return {"xla": xla, "pallas_gpu": pallas_gpu, "pallas_tpu": pallas_tpu}[static.implementation]
+
+
+def _kwargs(static: _Static):
+    kw = dict(eps=static.eps)
+    if static.implementation != "xla":
+        kw["interpret"] = static.interpret
+    return kw
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _attend(queries, sources, n_valid, static: _Static):
+    return _module(static).forward(queries, sources, n_valid, **_kwargs(static))
+
+
+def _attend_fwd(queries, sources, n_valid, static):
+    o, lse = _module(static).forward(queries, sources, n_valid, **_kwargs(static))
+    return (o, lse), (queries, sources, n_valid, o, lse)
+
+
+def _attend_bwd(static, residuals, cotangents):
+    queries, sources, n_valid, o, lse = residuals
+    do, dlse = cotangents
+    do = do.astype(jnp.float32)
+    delta = jnp.sum(do * o, axis=-1) - dlse
+    dq, ds = _module(static).backward(queries, sources, n_valid, o, lse, do, delta,
+                                      **_kwargs(static))
+    return dq.astype(queries.dtype), ds.astype(sources.dtype), None
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation.
+
+def _validate(queries, sources, n_valid, eps) -> jax.Array:
+    """Raises ValueError naming the bad argument; returns n_valid as an int32 scalar array."""
+    for name, x in (("queries", queries), ("sources", sources)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise ValueError(f"{OP}: {name} must be an array, got {type(x).__name__}")
+        if jnp.dtype(x.dtype).name not in _DTYPES:
+            raise ValueError(f"{OP}: {name} dtype {jnp.dtype(x.dtype).name} is not supported; "
+                             f"use one of {_DTYPES}")
+    if queries.ndim != 2 or queries.shape[0] < 1:
+        raise ValueError(f"{OP}: queries must have shape [Q, D] with Q >= 1, got {queries.shape}")
+    if sources.ndim < 2 or sources.shape[0] < 1:
+        raise ValueError(f"{OP}: sources must have shape [S, ..., D] with S >= 1, got "
+                         f"{sources.shape}")
+    if queries.shape[1] != sources.shape[-1]:
+        raise ValueError(f"{OP}: queries D={queries.shape[1]} differs from sources D="
+                         f"{sources.shape[-1]}")
+    if not isinstance(eps, (int, float, np.floating)) or isinstance(eps, bool) or eps <= 0:
+        raise ValueError(f"{OP}: eps must be a positive Python float, got {eps!r}")
+    S = sources.shape[0]
+    if n_valid is None:
+        return jnp.asarray(S, jnp.int32)
+    if isinstance(n_valid, bool):
+        raise ValueError(f"{OP}: n_valid must be an int or an int32 scalar array, got a bool")
+    if isinstance(n_valid, (int, np.integer)):
+        if not 1 <= n_valid <= S:
+            raise ValueError(f"{OP}: n_valid={n_valid} must lie in [1, S={S}]")
+        return jnp.asarray(n_valid, jnp.int32)
+    if not hasattr(n_valid, "dtype") or not jnp.issubdtype(n_valid.dtype, jnp.integer) \
+            or jnp.shape(n_valid) != ():
+        raise ValueError(f"{OP}: n_valid must be an int or an integer scalar array, got "
+                         f"{getattr(n_valid, 'shape', type(n_valid).__name__)} "
+                         f"{getattr(n_valid, 'dtype', '')}")
+    try:
+        value = int(n_valid)
+    except (jax.errors.TracerIntegerConversionError, jax.errors.ConcretizationTypeError, TypeError):
+        value = None
+    if value is not None and not 1 <= value <= S:
+        raise ValueError(f"{OP}: n_valid={value} must lie in [1, S={S}]")
+    return jnp.clip(jnp.asarray(n_valid, jnp.int32), 1, S)

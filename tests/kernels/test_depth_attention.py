@@ -1,0 +1,242 @@
+"""depth_attention (Attention Residuals): parity of the XLA path and both Pallas kernels (interpret
+mode) with the float32 reference, forward and gradients; the two-phase Block AttnRes scheme equals
+the naive formula; zero queries give the uniform average; cuda / tpu lowering; validation.
+
+Fresh random inputs every run (the seed is printed in failure messages). Sources get per-token
+scales so the RMSNorm of the keys matters; unused buffer slots hold large junk that must not leak.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from aiinfra_jax.kernels import _testing
+from aiinfra_jax.kernels.depth_attention import (block_depth_attention,
+                                                 block_depth_attention_reference, depth_attention,
+                                                 depth_attention_reference, merge_partial,
+                                                 merge_partial_reference)
+from aiinfra_jax.kernels.depth_attention.api import _depth_attention_impl
+
+
+def _seed() -> int:
+    return int(np.random.default_rng().integers(2**31))
+
+
+def _inputs(seed, *, Q, S, B, T, D, dtype, n_valid):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.normal(size=(Q, D)), jnp.float32)
+    src = rng.normal(size=(S, B, T, D)) * rng.uniform(0.3, 3.0, (S, B, T, 1))
+    src[n_valid:] = 1e3 * rng.normal(size=(S - n_valid, B, T, D))      # junk in unused slots
+    src = jnp.asarray(src, jnp.float32).astype(dtype)
+    do = jnp.asarray(rng.normal(size=(Q, B, T, D)), jnp.float32)
+    dlse = jnp.asarray(rng.normal(size=(Q, B, T)), jnp.float32)
+    return q, src, do, dlse
+
+
+def _run(fn, q, src, do, dlse):
+    """(o, lse, dq, dsrc) of fn(q, src) -> (o, lse) with random cotangents on o and lse."""
+    @jax.jit
+    def go(q, src):
+        (o, lse), vjp = jax.vjp(fn, q, src)
+        return (o, lse) + vjp((do.astype(o.dtype), dlse))
+    return go(q, src)
+
+
+_CASES = {  # name: (Q, S, B, T, D, dtype, n_valid)
+    "q1_f32_partial": (1, 7, 2, 5, 32, "float32", 4),
+    "q3_bf16_full": (3, 4, 1, 6, 64, "bfloat16", 4),
+    "q2_f32_one_slot": (2, 5, 3, 1, 16, "float32", 1),
+}
+
+
+@pytest.mark.parametrize("implementation,case", [("xla", c) for c in _CASES] + [
+    (impl, c) for impl in ("pallas_gpu", "pallas_tpu") for c in ("q1_f32_partial", "q3_bf16_full")])
+def test_parity_with_reference(implementation, case):
+    Q, S, B, T, D, dtype, n_valid = _CASES[case]
+    seed = _seed()
+    q, src, do, dlse = _inputs(seed, Q=Q, S=S, B=B, T=T, D=D, dtype=jnp.dtype(dtype),
+                               n_valid=n_valid)
+    n = jnp.int32(n_valid)
+    expected = _run(lambda q, s: depth_attention_reference(q, s.astype(jnp.float32), n),
+                    q, src, do, dlse)
+    native = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}.get(implementation) == jax.default_backend()
+    actual = _run(lambda q, s: _depth_attention_impl(q, s, n, return_lse=True,
+                                                     implementation=implementation,
+                                                     interpret=not native), q, src, do, dlse)
+    where = f"{implementation}/{case} seed={seed}"
+    for name, a, e in zip(("o", "lse", "dq", "dsources"), actual, expected):
+        _testing.assert_close(a, e, dtype, what=f"{where}: {name}")
+    assert actual[0].dtype == jnp.dtype(dtype) and actual[3].dtype == jnp.dtype(dtype), where
+    # unused slots get exactly zero gradient
+    assert np.all(np.asarray(actual[3][n_valid:], np.float32) == 0), f"{where}: unused dsources"
+
+
+def test_zero_queries_give_exactly_the_uniform_average():
+    seed = _seed()
+    q, src, _, _ = _inputs(seed, Q=2, S=6, B=2, T=3, D=32, dtype=jnp.float32, n_valid=4)
+    for impl, interp in (("xla", False), ("pallas_tpu", True)):
+        o = jax.jit(lambda q, s: _depth_attention_impl(q, s, 4, implementation=impl,
+                                                       interpret=interp))(jnp.zeros_like(q), src)
+        mean = jnp.mean(src[:4], axis=0)
+        np.testing.assert_allclose(o[0], mean, rtol=1e-6, atol=1e-6,
+                                   err_msg=f"{impl} seed={seed}")
+        np.testing.assert_allclose(o[1], mean, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("implementation,has_partial", [("xla", True), ("xla", False),
+                                                        ("pallas_gpu", True)])
+def test_two_phase_equals_naive_formula_forward_and_gradients(implementation, has_partial):
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    Q, N, B, T, D, n_finished = 2, 5, 2, 4, 32, 3
+    q, blocks, _, _ = _inputs(seed, Q=Q, S=N, B=B, T=T, D=D, dtype=jnp.float32,
+                              n_valid=n_finished)
+    partial = jnp.asarray(rng.normal(size=(B, T, D)) * 2.0, jnp.float32)
+    do = jnp.asarray(rng.normal(size=(Q, B, T, D)), jnp.float32)
+
+    def two_phase(q, blocks, partial):
+        return block_depth_attention(q, blocks, jnp.int32(n_finished), partial, has_partial,
+                                     implementation=implementation,
+                                     interpret=implementation != "xla")
+
+    def naive(q, blocks, partial):
+        return block_depth_attention_reference(q, blocks, n_finished, partial, has_partial)
+
+    @jax.jit
+    def both(q, blocks, partial, do):
+        outs = []
+        for fn in (two_phase, naive):
+            o, vjp = jax.vjp(fn, q, blocks, partial)
+            outs.append((o,) + vjp(do))
+        return outs
+
+    outs = both(q, blocks, partial, do)
+    for name, a, e in zip(("o", "dq", "dblocks", "dpartial"), *outs):
+        _testing.assert_close(a, e, jnp.float32, what=f"{name} seed={seed}")
+    if not has_partial:
+        assert np.all(np.asarray(outs[0][3]) == 0)
+
+
+def test_merge_partial_matches_reference():
+    seed = _seed()
+    q, src, _, _ = _inputs(seed, Q=3, S=3, B=2, T=4, D=16, dtype=jnp.float32, n_valid=3)
+
+    @jax.jit
+    def both(q, src, flag):
+        o, lse = depth_attention(q, src, return_lse=True)
+        partial = src[0] * 0.5 + 1.0
+        return (merge_partial(o, lse, q, partial, flag),
+                merge_partial_reference(o, lse, q, partial, flag))
+
+    for flag in (True, False):
+        a, e = both(q, src, jnp.bool_(flag))
+        _testing.assert_close(a, e, jnp.float32, what=f"merge has_partial={flag} seed={seed}")
+
+
+def test_traced_n_valid_under_jit_and_general_leading_shape():
+    seed = _seed()
+    q, src, _, _ = _inputs(seed, Q=1, S=5, B=2, T=3, D=16, dtype=jnp.float32, n_valid=2)
+
+    @jax.jit
+    def run(q, src, n):
+        return (depth_attention(q, src, n), depth_attention(q, src.reshape(5, 6, 16), n),
+                depth_attention_reference(q, src, 2)[0])
+
+    jitted, flat, expected = run(q, src, jnp.int32(2))
+    _testing.assert_close(jitted, expected, jnp.float32, what=f"traced n_valid seed={seed}")
+    _testing.assert_close(flat.reshape(jitted.shape), jitted, jnp.float32, what="[S,N,D]")
+
+
+# ----------------------------------------------------------------------------------------------
+# Lowering for the targets from the CPU machine (nothing runs; inputs are ShapeDtypeStructs).
+
+_PLATFORM = {"pallas_gpu": "cuda", "pallas_tpu": "tpu"}
+_CUSTOM_CALL = {"pallas_gpu": "__gpu", "pallas_tpu": "tpu_custom_call"}
+_SHAPES = {  # (Q, S, B, T, D, dtype)
+    "small_q3_f32": (3, 5, 1, 7, 64, jnp.float32),
+    "full_deep_bf16": (1, 65, 2, 2048, 2048, jnp.bfloat16),     # 32 layers, d_model 2048
+}
+
+
+@pytest.mark.parametrize("shape", list(_SHAPES))
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
+@pytest.mark.parametrize("implementation", ["pallas_gpu", "pallas_tpu"])
+def test_kernels_lower(implementation, backward, shape):
+    Q, S, B, T, D, dtype = _SHAPES[shape]
+    sd = jax.ShapeDtypeStruct
+
+    def attend(q, s, n):
+        return _depth_attention_impl(q, s, n, return_lse=True, implementation=implementation)
+
+    def loss(q, s, n):
+        o, lse = attend(q, s, n)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(lse)
+
+    fn = jax.grad(loss, argnums=(0, 1)) if backward else attend
+    text = jax.jit(fn).trace(sd((Q, D), jnp.float32), sd((S, B, T, D), dtype),
+                             sd((), jnp.int32)).lower(
+        lowering_platforms=(_PLATFORM[implementation],)).as_text()
+    calls = [c for c in re.findall(r"custom_call @(\w+)", text)
+             if c == _CUSTOM_CALL[implementation]]
+    assert len(calls) == (2 if backward else 1), (implementation, shape, calls)
+
+
+# ----------------------------------------------------------------------------------------------
+# Implementation choice and validation.
+
+def _small():
+    q, src, _, _ = _inputs(_seed(), Q=1, S=3, B=1, T=2, D=16, dtype=jnp.float32, n_valid=3)
+    return q, src
+
+
+def test_default_implementation_and_explicit_choices():
+    q, src = _small()
+    on_accelerator = jax.default_backend() in ("gpu", "tpu")
+    uses = "pallas_call" in str(jax.make_jaxpr(lambda q, s: depth_attention(q, s))(q, src))
+    assert uses == on_accelerator
+    for impl in ("pallas_gpu", "pallas_tpu"):
+        if {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}[impl] != jax.default_backend():
+            with pytest.raises(ValueError, match=impl):
+                depth_attention(q, src, implementation=impl)
+    with pytest.raises(ValueError, match="implementation"):
+        depth_attention(q, src, implementation="triton")
+
+
+def test_unsupported_shape_raises_when_explicit_and_falls_back_when_automatic(caplog):
+    q = jnp.ones((1, 24), jnp.float32)
+    src = jnp.asarray(np.random.default_rng().normal(size=(3, 1, 2, 24)), jnp.float32)
+    with pytest.raises(ValueError, match="power of two"):
+        depth_attention(q, src, implementation="pallas_gpu", interpret=True)
+    with caplog.at_level(logging.WARNING):
+        jaxpr = jax.make_jaxpr(lambda q, s: _depth_attention_impl(
+            q, s, implementation="pallas_gpu", automatic=True))(q, src)
+    assert "pallas_call" not in str(jaxpr)
+    assert "pallas_gpu" in caplog.text and "XLA" in caplog.text
+
+
+@pytest.mark.parametrize("changes,pattern", [
+    (lambda q, s: dict(queries=q[0]), r"queries must have shape \[Q, D\]"),
+    (lambda q, s: dict(sources=s[0, 0, 0]), r"sources must have shape"),
+    (lambda q, s: dict(queries=q[:, :8]), r"queries D=8 differs from sources D=16"),
+    (lambda q, s: dict(sources=s.astype(jnp.int32)), r"sources dtype int32"),
+    (lambda q, s: dict(n_valid=0), r"n_valid=0 must lie in \[1, S=3\]"),
+    (lambda q, s: dict(n_valid=4), r"n_valid=4 must lie in"),
+    (lambda q, s: dict(n_valid=jnp.int32(5)), r"n_valid=5 must lie in"),
+    (lambda q, s: dict(n_valid=jnp.ones((2,), jnp.int32)), r"n_valid must be an int"),
+    (lambda q, s: dict(n_valid=True), r"n_valid must be an int"),
+    (lambda q, s: dict(eps=0.0), r"eps must be a positive"),
+])
+def test_validation_errors(changes, pattern):
+    q, src = _small()
+    args = dict(queries=q, sources=src, n_valid=None)
+    kwargs = {}
+    for name, value in changes(q, src).items():
+        (args if name in args else kwargs)[name] = value
+    with pytest.raises(ValueError, match=pattern):
+        depth_attention(args["queries"], args["sources"], args["n_valid"], **kwargs)
