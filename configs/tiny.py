@@ -10,8 +10,8 @@ from aiinfra_jax.models.config import ModelConfig
 CONFIG = Config(
     model=ModelConfig(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, mixers=("dense",)),
     data=DataConfig(sources=("embedded",), tokenizer="byte", seq_len=256, batch_size=16),
-    optim=OptimConfig(lr=2e-3, warmup_steps=40, schedule="cosine", weight_decay=0.1),
-    checkpoint=CheckpointConfig(every=200, keep=3),
-    eval=EvalConfig(every=200, batches=8, final_batches=32),
-    run=RunConfig(name="tiny", steps=400, log_every=20),
+    optim=OptimConfig(lr=2e-3, warmup_steps=30, schedule="cosine", weight_decay=0.1),
+    checkpoint=CheckpointConfig(every=100, keep=3),
+    eval=EvalConfig(every=100, batches=8, final_batches=32),
+    run=RunConfig(name="tiny", steps=300, log_every=20),
 )
