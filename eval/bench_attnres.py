@@ -34,11 +34,9 @@ from pathlib import Path
 import jax
 from flax import nnx
 
-from aiinfra_jax import sharding as shd
 from aiinfra_jax.config import load_config
-from aiinfra_jax.data import make_iterator
-from aiinfra_jax.eval.bench_train import device_description
-from aiinfra_jax.train import Trainer, train
+from aiinfra_jax.eval.bench_train import device_description, timed_train_steps
+from aiinfra_jax.train import train
 
 RESIDUALS = ("standard", "attnres_full", "attnres_block")
 
@@ -63,19 +61,7 @@ def depth_attention_cost(cfg) -> dict:
 
 
 def time_scheme(cfg, steps: int) -> dict:
-    trainer = Trainer(cfg)
-    state = trainer.init_state()
-    jtrain, jeval = trainer.compiled_steps()
-    batch = next(make_iterator(cfg.data, trainer.tokenizer, split="train", seed=cfg.run.seed))
-    batch = shd.shard_batch(batch, trainer.mesh)
-    state, m = jtrain(state, batch)                                   # compile + warm-up
-    jax.block_until_ready(m)
-    train_times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        state, m = jtrain(state, batch)
-        jax.block_until_ready((state, m))
-        train_times.append(time.perf_counter() - t0)
+    trainer, state, jeval, batch, train_times = timed_train_steps(cfg, steps)
     params = state["params"]
     jax.block_until_ready(jeval(params, batch))                      # compile + warm-up
     fwd_times = []

@@ -42,10 +42,13 @@ def device_description() -> str:
            f"{__import__('os').cpu_count()} cores; jax {jax.__version__})"
 
 
-def bench_step(cfg, steps: int) -> dict:
+def timed_train_steps(cfg, steps: int):
+    """Runs the jitted train step `steps` times on one batch already on the device, after one
+    warm-up (compiling) step; returns (trainer, state, jitted eval step, device batch, seconds per
+    step). Shared by the benchmarks that time a training step."""
     trainer = Trainer(cfg)
     state = trainer.init_state()
-    jtrain, _ = trainer.compiled_steps()
+    jtrain, jeval = trainer.compiled_steps()
     batch = next(make_iterator(cfg.data, trainer.tokenizer, split="train", seed=cfg.run.seed))
     batch = shd.shard_batch(batch, trainer.mesh)
     state, m = jtrain(state, batch)  # compile + warm-up
@@ -56,6 +59,11 @@ def bench_step(cfg, steps: int) -> dict:
         state, m = jtrain(state, batch)
         jax.block_until_ready((state, m))
         times.append(time.perf_counter() - t0)
+    return trainer, state, jeval, batch, times
+
+
+def bench_step(cfg, steps: int) -> dict:
+    trainer, _, _, _, times = timed_train_steps(cfg, steps)
     model = nnx.merge(trainer.graphdef, trainer.abstract_params, trainer.rest)
     fpt = float(model.flops_per_token(cfg.data.seq_len))
     tokens = cfg.data.batch_size * cfg.data.seq_len

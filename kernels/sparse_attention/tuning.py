@@ -1,7 +1,9 @@
 """Block sizes and limits per backend for sparse_attention (one small table; tune by benchmark).
 
-xla_query_chunk       query tokens per step of the XLA path's lax.map / scan (bounds gathered
-                      memory: chunk * Hkv * n * block_size * (Dk + Dv) elements live at once).
+xla_tile_entries      (query row, selected block) entries per tile of the XLA path: one tile is one
+                      [entries * G, Dk] x [Dk, block_size] matmul against a single key block (each
+                      block's entry list is padded to a multiple of this, so larger tiles waste up
+                      to NB * (entries - 1) padded entries; smaller ones make thinner matmuls).
 gpu_min_rows          Triton needs >= 16 rows for a dot: the G query heads of a group are padded up
                       to this (and to a power of two) inside the GPU kernel wrapper.
 gpu_max_head_dim      largest (power-of-two padded) Dk / Dv the GPU kernel keeps in registers.
@@ -22,7 +24,7 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class SparseAttentionTuning:
-    xla_query_chunk: int = 64
+    xla_tile_entries: int = 64
     gpu_min_rows: int = 16
     gpu_max_head_dim: int = 256
     gpu_num_warps: int = 4

@@ -84,6 +84,7 @@ def test_parity_with_reference(implementation, case):
 
 
 @pytest.mark.parametrize("implementation,field,value", [
+    ("xla", "xla_tile_entries", 3),                    # a block's entries span several tiles
     ("pallas_gpu", "gpu_dkv_max_queries", 3),          # dK / dV query lists cut into pieces
     ("pallas_tpu", "tpu_max_prefetch", 40),            # several calls over query / entry chunks
 ])
