@@ -1,10 +1,11 @@
 # aiinfra-jax. Two commands on a fresh machine:
-#   make train   create .venv, install, train the default tiny model on the embedded corpus, evaluate it
+#   make train   create .venv, install, train the default tiny NSA model on the embedded corpus, evaluate it
+#                (the dense baseline: make train CONFIG=configs/tiny.py)
 #   make test    create .venv with the dev extras, run the whole test suite
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-CONFIG ?= configs/tiny.py
+CONFIG ?= configs/nsa_tiny.py
 ARGS   ?=
 
 .PHONY: train test install install-dev bench-train bench-kernels bench-nsa bench-attnres clean-venv

@@ -17,8 +17,8 @@ NSA = NSAConfig(cmp_block_len=16, cmp_stride=8, sel_block_size=32, n_selected=4,
 CONFIG = Config(
     model=ModelConfig(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, mixers=("nsa",), nsa=NSA),
     data=DataConfig(sources=("embedded",), tokenizer="byte", seq_len=256, batch_size=16),
-    optim=OptimConfig(lr=2e-3, warmup_steps=50, schedule="cosine", weight_decay=0.1),
-    checkpoint=CheckpointConfig(every=200, keep=3),
-    eval=EvalConfig(every=200, batches=8, final_batches=32),
-    run=RunConfig(name="nsa_tiny", steps=600, log_every=20),
+    optim=OptimConfig(lr=2e-3, warmup_steps=30, schedule="cosine", weight_decay=0.1),
+    checkpoint=CheckpointConfig(every=100, keep=3),
+    eval=EvalConfig(every=100, batches=8, final_batches=32),
+    run=RunConfig(name="nsa_tiny", steps=300, log_every=20),
 )
