@@ -11,7 +11,7 @@ import dataclasses
 import math
 
 DTYPES = ("float32", "bfloat16")
-ATTENTION_IMPLS = (None, "xla", "cudnn")
+ATTENTION_IMPLS = (None, "xla", "cudnn", "flash")
 # jax.checkpoint_policies members that are policies themselves (not factories needing arguments).
 REMAT_POLICIES = ("everything_saveable", "nothing_saveable", "dots_saveable", "checkpoint_dots",
                   "dots_with_no_batch_dims_saveable", "checkpoint_dots_with_no_batch_dims")

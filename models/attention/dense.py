@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..config import ModelConfig
+from aiinfra_jax.kernels.flash_attention import AttentionMask, flash_attention
 from ..layers import apply_rope, make_param, out_proj_std
 from ..registry import register_mixer
 
@@ -51,6 +52,8 @@ def choose_implementation(requested: str | None, dtype, head_dim: int,
 
 
 def sdpa(q_bthd, k_bskd, v_bskd, mask_b1ts, requested: str | None) -> jax.Array:
+    if requested == "flash":  # cached calls: flash covers only the full forward pass
+        requested = None
     """jax.nn.dot_product_attention with a boolean mask on the chosen backend (GQA natively)."""
     impl = choose_implementation(requested, q_bthd.dtype, q_bthd.shape[-1])
     if impl == "cudnn":
@@ -92,7 +95,9 @@ def write_cache(buf_bskd: jax.Array, new_btkd: jax.Array, lengths_b: jax.Array) 
 @register_mixer("dense")
 class DenseAttention(nnx.Module):
     """Projections q/k/v/o, RoPE, jax.nn.dot_product_attention (cuDNN on GPU, XLA elsewhere;
-    cfg.attention_impl overrides)."""
+    cfg.attention_impl overrides). attention_impl="flash" runs training / full forward passes
+    through kernels.flash_attention (chunked, never a [B,H,T,T] logits tensor: the choice for
+    long contexts off-GPU); cached prefill/decode always uses jax.nn.dot_product_attention."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -120,7 +125,11 @@ class DenseAttention(nnx.Module):
         batch, seq, _ = x_btd.shape
         dt = jnp.dtype(self.cfg.dtype)
         q, k, v = self.project_qkv(x_btd, positions)
-        if cache is None:
+        if cache is None and self.cfg.attention_impl == "flash":
+            # the chunked kernel: no [B,H,T,T] logits, so long contexts fit in memory
+            y = flash_attention(q, k, v, mask=AttentionMask(causal=True), segment_ids=segment_ids)
+            new_cache = None
+        elif cache is None:
             mask = attention_mask(segment_ids, batch, seq)
             y = sdpa(q, k, v, mask, self.cfg.attention_impl)
             new_cache = None

@@ -1,5 +1,6 @@
 """Dense attention: GQA against an explicit repeat-kv reference, causality, segment masking."""
 
+import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,8 +39,9 @@ def _reference(attn, x, pos, seg):
 
 
 @pytest.mark.parametrize("with_segments", [False, True])
-def test_gqa_matches_repeat_kv_reference(with_segments):
-    attn = DenseAttention(CFG, rngs=nnx.Rngs(0))
+@pytest.mark.parametrize("impl", [None, "flash"])
+def test_gqa_matches_repeat_kv_reference(with_segments, impl):
+    attn = DenseAttention(dataclasses.replace(CFG, attention_impl=impl), rngs=nnx.Rngs(0))
     x, pos = _inputs()
     seg = jnp.array([[1, 1, 1, 2, 2, 2, 2, 3, 0, 0], [1] * 10]) if with_segments else None
     y, cache = attn(x, positions=pos, segment_ids=seg)
@@ -89,4 +91,4 @@ def test_backend_choice():
     with pytest.raises(ValueError, match="attention_impl='cudnn' needs a GPU"):
         choose_implementation("cudnn", jnp.bfloat16, 64, backend="cpu")
     with pytest.raises(ValueError, match=r"ModelConfig\.attention_impl="):
-        ModelConfig(attention_impl="flash")
+        ModelConfig(attention_impl="tpu_magic")
