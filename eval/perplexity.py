@@ -6,7 +6,7 @@
 
 The per-position buckets split each row's positions (the token's position within its document) into
 equal ranges: a model that uses long context has lower loss in the later buckets. The training loop
-computes the same numbers at the end of every run (aiinfra_jax.train.make_eval_step).
+computes the same numbers at the end of every run (aiinfra_jax.steps.make_eval_step).
 """
 
 from __future__ import annotations
