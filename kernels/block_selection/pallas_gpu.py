@@ -24,18 +24,13 @@ from jax.experimental.pallas import triton as plgpu
 
 from aiinfra_jax.kernels.block_selection.reference import (Remap, doc_start_positions,
                                                            token_visible)
+from .._util import pad_axis as _pad
 
 
 def _pow2(x: int) -> int:
     return 1 << max(int(x) - 1, 0).bit_length()
 
 
-def _pad(x, axis: int, new: int, value=0):
-    if x.shape[axis] == new:
-        return x
-    pads = [(0, 0)] * x.ndim
-    pads[axis] = (0, new - x.shape[axis])
-    return jnp.pad(x, pads, constant_values=value)
 
 
 def _kernel(off_ref, q_ref, k_ref, lse_ref, start_ref, out_ref, *, remap: Remap, scale: float,

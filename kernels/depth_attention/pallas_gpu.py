@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from .cost import cost_estimate as _cost
 
 MAX_Q = 16             # queries are unrolled in the kernel
 MAX_D = 8192
@@ -110,13 +111,6 @@ def _bwd_kernel(n_ref, q_ref, src_ref, lse_ref, do_ref, delta_ref, ds_ref, dq_re
         dq_ref[0, j, :] = dqs[j]
 
 
-def _cost(Q, S, N, D, itemsize, backward):
-    reads = S * N * D * itemsize
-    if not backward:
-        return pl.CostEstimate(flops=int(S * N * D * (3 + 4 * Q)), transcendentals=int(S * N * Q),
-                               bytes_accessed=int(reads + 4 * Q * N * D + 4 * Q * N))
-    return pl.CostEstimate(flops=int(S * N * D * (5 + 10 * Q)), transcendentals=int(S * N * Q),
-                           bytes_accessed=int(2 * reads + 4 * Q * N * D + 8 * Q * N))
 
 
 def forward(queries, sources, n_valid, *, eps: float, interpret: bool = False):

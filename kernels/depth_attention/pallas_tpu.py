@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from .._util import pad_axis as _pad_tokens
+from .cost import cost_estimate as _cost
 
 MAX_Q = 16
 VMEM_BUDGET = 8 * 1024 * 1024  # bytes of float32 accumulators per grid row (Q * TN * D * 4)
@@ -133,21 +135,8 @@ def _src_map(i, s, n_ref):
     return (jnp.minimum(s, n_ref[0] - 1), i, 0)
 
 
-def _pad_tokens(x, axis, size):
-    if x.shape[axis] == size:
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, pad)
 
 
-def _cost(Q, S, N, D, itemsize, backward):
-    reads = S * N * D * itemsize
-    if not backward:
-        return pl.CostEstimate(flops=int(S * N * D * (3 + 4 * Q)), transcendentals=int(S * N * Q),
-                               bytes_accessed=int(reads + 4 * Q * N * D + 4 * Q * N))
-    return pl.CostEstimate(flops=int(S * N * D * (5 + 10 * Q)), transcendentals=int(S * N * Q),
-                           bytes_accessed=int(2 * reads + 4 * Q * N * D + 8 * Q * N))
 
 
 def forward(queries, sources, n_valid, *, eps: float, interpret: bool = False):

@@ -36,16 +36,11 @@ from aiinfra_jax.kernels.flash_attention.mask import (AttentionMask, full_key_bl
                                                       query_block_range, visible,
                                                       visible_counts)
 from aiinfra_jax.kernels.flash_attention.tuning import next_pow2, round_up
+from .._util import pad_axis as _pad
 
 _MIN = 16  # smallest Triton dot dimension
 
 
-def _pad(x, axis: int, new: int, value=0):
-    if x is None or x.shape[axis] == new:
-        return x
-    pads = [(0, 0)] * x.ndim
-    pads[axis] = (0, new - x.shape[axis])
-    return jnp.pad(x, pads, constant_values=value)
 
 
 class _Geometry:

@@ -34,18 +34,13 @@ from aiinfra_jax.kernels.flash_attention.mask import (AttentionMask, full_key_bl
                                                       query_block_range, visible,
                                                       visible_counts)
 from aiinfra_jax.kernels.flash_attention.tuning import round_up
+from .._util import pad_axis as _pad
 
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _TN = (((0,), (0,)), ((), ()))  # a.T @ b
 _NN = (((1,), (0,)), ((), ()))  # a @ b
 
 
-def _pad(x, axis: int, new: int, value=0):
-    if x is None or x.shape[axis] == new:
-        return x
-    pads = [(0, 0)] * x.ndim
-    pads[axis] = (0, new - x.shape[axis])
-    return jnp.pad(x, pads, constant_values=value)
 
 
 # A program holds [G, bq, .] blocks; cap the packed rows G * bq so the double-buffered blocks and

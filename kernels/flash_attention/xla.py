@@ -17,14 +17,9 @@ from jax import lax
 from aiinfra_jax.kernels.flash_attention.mask import (AttentionMask, key_block_range,
                                                       query_block_range, visible)
 from aiinfra_jax.kernels.flash_attention.tuning import round_up
+from .._util import pad_axis as _pad_axis
 
 
-def _pad_axis(x, axis: int, new: int, value=0):
-    if x is None or x.shape[axis] == new:
-        return x
-    pads = [(0, 0)] * x.ndim
-    pads[axis] = (0, new - x.shape[axis])
-    return jnp.pad(x, pads, constant_values=value)
 
 
 def _tiles(q_len: int, kv_len: int, block_q: int, block_k: int):

@@ -28,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .tuning import TUNING, next_power_of_2
+from .._util import pad_axis as _pad_axis
 
 _NEG_INF = float("-inf")
 
@@ -51,12 +52,6 @@ def _dim(D: int) -> int:
     return max(16, next_power_of_2(D))
 
 
-def _pad_axis(x, axis, size, value=0):
-    if x.shape[axis] == size:
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, pad, constant_values=value)
 
 
 def _dot(a, b, ca, cb, precision):

@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .tuning import TUNING
+from .._util import pad_axis as _pad_axis
 
 _NEG_INF = float("-inf")
 _LANES = 128
@@ -54,12 +55,6 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def _pad_axis(x, axis, size, value=0):
-    if x.shape[axis] == size:
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, pad, constant_values=value)
 
 
 def _precision(dtype):

@@ -1,0 +1,15 @@
+"""Small array helpers shared by the kernel implementations (imports only JAX)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def pad_axis(x, axis: int, size: int, value=0):
+    """x padded with `value` at the end of `axis` up to length `size` (None and exact fits pass
+    through unchanged)."""
+    if x is None or x.shape[axis] == size:
+        return x
+    pads = [(0, 0)] * x.ndim
+    pads[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pads, constant_values=value)
