@@ -2,6 +2,7 @@
 
     python -m aiinfra_jax.eval.bench_nsa layer [--lengths 4096,8192,16384,32768,65536] [--repeats 3]
     python -m aiinfra_jax.eval.bench_nsa quality [--steps 600] [--eval-every 100] [--match-params]
+    python -m aiinfra_jax.eval.bench_nsa flops [--widths 512/8/2,2048/16/1] [--lengths ...]
 
 layer: one NSA layer and one dense attention layer (models/attention/dense.py) of the same width,
 forward, forward+backward (gradients of every parameter and of the input) and one decode step
@@ -13,6 +14,10 @@ memory is the compiled program's memory_analysis (arguments + outputs + temporar
 forward / backward through jax.nn.dot_product_attention's XLA path holds [B,H,T,T] float32 logits: lengths
 where that exceeds --dense-max-gb run the dense layer through the chunked flash_attention kernel
 (model.attention_impl="flash") instead; each row names the dense attention it used.
+
+flops: the theoretical whole-layer forward FLOP ratio dense / NSA (flops_per_token of both
+modules, nothing compiled or run) for several layer widths (d_model/heads/kv_heads) and lengths:
+the ceiling on any measured forward speed-up of the layer.
 
 quality: trains the dense and the NSA model of --config (default configs/nsa_tiny.py) on the same
 data for the same steps through aiinfra_jax.train.train and reports the validation loss curves
@@ -171,14 +176,46 @@ def bench_layer_once(kind: str, cfg: ModelConfig, batch: int, seq: int, repeats:
     return row
 
 
+def _nsa_config(spec: str, implementation=None) -> NSAConfig:
+    names = ("cmp_block_len", "cmp_stride", "sel_block_size", "n_selected", "window")
+    return NSAConfig(**dict(zip(names, (int(v) for v in spec.split(",")))),
+                     implementation=implementation)
+
+
+def run_flops(args) -> dict[str, Any]:
+    lengths = [int(v) for v in args.lengths.split(",")]
+    nsa = _nsa_config(args.nsa)
+    rows = []
+    for width in args.widths.split(","):
+        d, h, k = (int(v) for v in width.split("/"))
+        cfg = ModelConfig(vocab_size=256, d_model=d, n_heads=h, n_kv_heads=k, n_layers=1,
+                          mixers=("nsa",), nsa=nsa, max_seq_len=max(lengths))
+        dense = nnx.eval_shape(lambda: DenseAttention(cfg, rngs=nnx.Rngs(0)))  # noqa: B023
+        sparse = nnx.eval_shape(lambda: NSAttention(cfg, rngs=nnx.Rngs(0)))  # noqa: B023
+        rows.append({"d_model": d, "heads": h, "kv_heads": k, "head_dim": cfg.resolved_head_dim,
+                     "ratios": {str(t): dense.flops_per_token(t) / sparse.flops_per_token(t)
+                                for t in lengths}})
+    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join(sys.argv), "nsa": dataclasses.asdict(nsa), "rows": rows}
+
+
+def flops_markdown(result: dict[str, Any]) -> str:
+    lengths = list(result["rows"][0]["ratios"])
+    lines = ["| d_model / heads / kv heads (head dim) | "
+             + " | ".join(f"{int(t) // 1024}K" for t in lengths) + " |",
+             "|---|" + "---|" * len(lengths)]
+    for r in result["rows"]:
+        lines.append(f"| {r['d_model']} / {r['heads']} / {r['kv_heads']} ({r['head_dim']}) | "
+                     + " | ".join(f"{r['ratios'][t]:.2f}x" for t in lengths) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def run_layer(args) -> dict[str, Any]:
     lengths = [int(v) for v in args.lengths.split(",")]
     ops = set(args.ops.split(","))
     if not ops <= {"forward", "backward", "decode"}:
         raise SystemExit(f"--ops={args.ops!r}: choose from forward, backward, decode")
-    nsa = NSAConfig(**dict(zip(("cmp_block_len", "cmp_stride", "sel_block_size", "n_selected",
-                                "window"), (int(v) for v in args.nsa.split(",")))),
-                    implementation=args.implementation)
+    nsa = _nsa_config(args.nsa, args.implementation)
     key = jax.random.key(0)
     rows = []
     for seq in lengths:
@@ -356,6 +393,12 @@ def main(argv: list[str] | None = None) -> None:
     q.add_argument("--match-params", action="store_true")
     q.add_argument("--set", nargs="*", default=[], help="config overrides, e.g. data.seq_len=64")
     q.add_argument("--out", default="runs/bench_nsa_quality")
+    fl = sub.add_parser("flops", help="theoretical dense / NSA FLOP ratio (nothing runs)")
+    fl.add_argument("--widths", default="512/8/2,1024/16/2,2048/16/1,4096/64/16",
+                    help="comma list of d_model/heads/kv_heads")
+    fl.add_argument("--lengths", default="8192,16384,32768,65536")
+    fl.add_argument("--nsa", default="32,16,64,16,512", help="l,d,l',n,w")
+    fl.add_argument("--out", default="runs/bench_nsa_flops")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -363,6 +406,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.mode == "layer":
         result = run_layer(args)
         md = layer_markdown(result)
+    elif args.mode == "flops":
+        result = run_flops(args)
+        md = flops_markdown(result)
     else:
         result = run_quality(args)
         md = quality_markdown(result)

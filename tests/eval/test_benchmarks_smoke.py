@@ -28,3 +28,17 @@ def test_bench_train_toy(tmp_path):
     res = json.loads(out.read_text())
     assert res["tokens_per_sec"] > 0 and res["loop_s_per_step_median"] > 0
     assert "outside_step_frac" in res and res["device"]
+
+
+def test_bench_nsa_flops_table(tmp_path):
+    """The FLOP-ratio table: dense / NSA grows with length (NSA reads O(T/d + n*l' + w) keys per
+    query against dense's O(T)); at 32K with the paper's sizes it stays under 5x (the ceiling that
+    eval/BENCHMARKS.md reports for the NSA layer's forward speed-up)."""
+    from aiinfra_jax.eval import bench_nsa
+
+    bench_nsa.main(["flops", "--widths", "512/8/2", "--lengths", "8192,32768",
+                    "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "result.json").read_text())
+    r8, r32 = (res["rows"][0]["ratios"][k] for k in ("8192", "32768"))
+    assert 1.0 < r8 < r32 < 5.0
+    assert "| 512 / 8 / 2 (64) |" in (tmp_path / "result.md").read_text()
