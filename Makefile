@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 CONFIG ?= configs/nsa_tiny.py
 ARGS   ?=
 
-.PHONY: train test install install-dev bench-train bench-kernels bench-nsa bench-attnres clean-venv
+.PHONY: train test install install-dev bench-train bench-kernels bench-nsa bench-attnres profile-step clean-venv
 
 $(VENV)/.stamp-base: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,9 @@ bench-nsa: $(VENV)/.stamp-base
 
 bench-attnres: $(VENV)/.stamp-base
 	$(PY) -m aiinfra_jax.eval.bench_attnres $(ARGS)
+
+profile-step: $(VENV)/.stamp-base
+	$(PY) -m aiinfra_jax.eval.profile_step --config $(CONFIG) $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)
