@@ -319,9 +319,11 @@ def run_longctx(answerer: Answerer, tokenizer: Any, cfg: LongCtxConfig, *,
     budgets = answer_budgets(examples, cfg)
     check_lengths(budgets, max_seq_len)
 
-    groups: dict[tuple[str, int], list[int]] = defaultdict(list)
+    # Batches mix tasks and depths of one length (one decode budget per length, so they share the
+    # compiled programs); only the last batch of each length is padded.
+    groups: dict[int, list[int]] = defaultdict(list)
     for i, ex in enumerate(examples):
-        groups[(ex.task, ex.length)].append(i)
+        groups[ex.length].append(i)
     batches = [idx[k:k + cfg.batch_size] for idx in groups.values()
                for k in range(0, len(idx), cfg.batch_size)]
     out_path = Path(out_dir) if out_dir is not None else None
