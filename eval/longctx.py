@@ -397,13 +397,15 @@ def summarize(records: Sequence[dict[str, Any]], cfg: LongCtxConfig) -> dict[str
     by_depth = {t: {f"{d:g}": {str(n): _mean(by_tdl[(t, d, n)]) for n in cfg.lengths}
                     for d in cfg.depths} for t in cfg.tasks}
     niah = [t for t in cfg.tasks if t in NIAH_TASKS]
-    niah_avg = None
+    niah_avg = niah_by_depth = None
     if niah:
         niah_avg = {str(n): _mean([acc[t][str(n)] for t in niah]) for n in cfg.lengths}
         niah_avg["mean"] = _mean([niah_avg[str(n)] for n in cfg.lengths])
+        niah_by_depth = {f"{d:g}": {str(n): _mean([by_depth[t][f"{d:g}"][str(n)] for t in niah])
+                                    for n in cfg.lengths} for d in cfg.depths}
     return {"tasks": list(cfg.tasks), "lengths": list(cfg.lengths), "depths": list(cfg.depths),
             "samples": cfg.samples, "seed": cfg.seed, "accuracy": acc, "niah_average": niah_avg,
-            "niah_tasks": niah, "by_depth": by_depth}
+            "niah_tasks": niah, "by_depth": by_depth, "niah_average_by_depth": niah_by_depth}
 
 
 def markdown_table(result: dict[str, Any]) -> str:
@@ -435,15 +437,17 @@ def markdown_table(result: dict[str, Any]) -> str:
 
 
 def write_heatmap(result: dict[str, Any], task: str, path: str | Path) -> None:
-    """Depth (y, 0% at the top) x context length (x) accuracy, red (0) to green (1)."""
+    """Depth (y, 0% at the top) x context length (x) accuracy, red (0) to green (1). task
+    "niah_average" draws the mean over the NIAH variants (result["niah_average_by_depth"])."""
     import matplotlib  # pylint: disable=import-outside-toplevel
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
 
     lengths, depths = result["lengths"], result["depths"]
-    grid = np.array([[result["by_depth"][task][f"{d:g}"][str(n)] for n in lengths]
-                     for d in depths], float)
+    cells = (result["niah_average_by_depth"] if task == "niah_average"
+             else result["by_depth"][task])
+    grid = np.array([[cells[f"{d:g}"][str(n)] for n in lengths] for d in depths], float)
     fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(lengths), 1.2 + 0.4 * len(depths)))
     im = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
     ax.set_xticks(range(len(lengths)), [format_length(n) for n in lengths])
@@ -468,6 +472,8 @@ def write_outputs(result: dict[str, Any], out_dir: str | Path) -> None:
     (out / "results.md").write_text(markdown_table(result))
     for task in result["tasks"]:
         write_heatmap(result, task, out / f"heatmap_{task}.png")
+    if result.get("niah_average_by_depth"):
+        write_heatmap(result, "niah_average", out / "heatmap_niah_average.png")
 
 
 # ----------------------------------------------------------------------------- in-loop hook

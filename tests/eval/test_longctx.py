@@ -47,9 +47,11 @@ def test_tiny_model_end_to_end_writes_all_outputs(tmp_path):
     assert eos_first or (t["decode_tokens"] > 0 and t["decode_tokens_per_s"] > 0)
     md = (tmp_path / "results.md").read_text()
     assert "| niah_single_1 |" in md and "NIAH average" in md and "tokens/s" in md
-    for task in cfg.tasks:
+    for task in cfg.tasks + ("niah_average",):
         png = (tmp_path / f"heatmap_{task}.png").read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
+    # The NIAH-average heatmap averages the NIAH variants only (here the one NIAH task).
+    assert saved["niah_average_by_depth"] == saved["by_depth"]["niah_single_1"]
     # Every prediction decodes what the model produced (at most the answer budget).
     budget = lc.answer_budgets(lc.build_examples(TOK, cfg), cfg)
     assert all(json.loads(x)["generated_tokens"] <= budget[json.loads(x)["length"]] for x in lines)
