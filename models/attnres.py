@@ -30,9 +30,12 @@ and slots not yet written are masked (the kernels skip them), so one scanned lay
 depth. Cached decoding needs nothing extra: depth attention is per token, so each call rebuilds the
 carry from its own tokens' embeddings and decode equals the full forward.
 
-Memory note: under jax.lax.scan + autodiff the carry of every scan step is saved, i.e. the whole
-buffer once per repeated block: O(L * S * B * T * D) for training (S = N + 1 is small for Block
-AttnRes; Full AttnRes grows quadratically with depth).
+Memory note: under jax.lax.scan + autodiff the buffer is saved at every depth-attention call, i.e.
+O(L * S * B * T * D) for training (S = N + 1 is small for Block AttnRes; Full AttnRes grows
+quadratically with depth). With remat="full" the Transformer instead runs
+models/transformer.rebuilding_scan: it keeps the final buffer and one [B,T,D] slot per layer
+(snapshot / rebuild_carry below) and rebuilds each layer's input buffer in the backward:
+O((S + L) * B * T * D).
 """
 
 from __future__ import annotations
@@ -128,6 +131,30 @@ class FullAttnRes(nnx.Module):
         src = jax.lax.dynamic_update_index_in_dim(src, out_btd.astype(src.dtype), carry["count"], 0)
         return {"sources": src, "count": carry["count"] + 1}
 
+    # Rebuilding the layer scan's carry (models/transformer.rebuilding_scan, used with remat="full"):
+    # at the start of a layer with `done` sublayers finished, slots 0 .. n (n = done // block
+    # length: the embedding and the finished blocks) already hold their final values, slot n + 1
+    # holds the current block's partial sum (Full: nothing yet) and later slots are zero. So the
+    # final buffer plus one [B,T,D] slot per layer rebuilds every layer's input exactly.
+    @classmethod
+    def _block_len(cls, cfg: ModelConfig) -> int:
+        del cfg
+        return 1
+
+    @classmethod
+    def snapshot(cls, cfg: ModelConfig, carry: Carry) -> Carry:
+        n = (carry["count"] - 1) // cls._block_len(cfg)
+        slot = jax.lax.dynamic_index_in_dim(carry["sources"], n + 1, 0, keepdims=False)
+        return {"slot": slot, "count": carry["count"]}
+
+    @classmethod
+    def rebuild_carry(cls, cfg: ModelConfig, final: Carry, snap: Carry) -> Carry:
+        src = final["sources"]
+        n = (snap["count"] - 1) // cls._block_len(cfg)
+        idx = jnp.arange(src.shape[0]).reshape((-1,) + (1,) * (src.ndim - 1))
+        rebuilt = jnp.where(idx <= n, src, jnp.where(idx == n + 1, snap["slot"][None], 0))
+        return {"sources": rebuilt.astype(src.dtype), "count": snap["count"]}
+
     @classmethod
     def finalize(cls, cfg: ModelConfig, carry: Carry) -> jax.Array:
         """Parameter-free fallback (uniform average over every slot); the Transformer uses the
@@ -148,6 +175,10 @@ class BlockAttnRes(FullAttnRes):
     @classmethod
     def slots(cls, cfg: ModelConfig) -> int:
         return cfg.attnres.n_blocks + 1
+
+    @classmethod
+    def _block_len(cls, cfg: ModelConfig) -> int:
+        return block_length(cfg)
 
     def _position(self, carry: Carry) -> tuple[jax.Array, jax.Array]:
         """(block index n, index of this sublayer within its block)."""

@@ -99,6 +99,71 @@ def _init_block_states(cfg: ModelConfig, keys: jax.Array) -> nnx.State:
     return jax.vmap(lambda key: nnx.state(Block(cfg, rngs=nnx.Rngs(key))))(keys)
 
 
+def _split_inexact(tree):
+    """(float leaves or None, other leaves or None) of a pytree, for differentiating only the
+    former (a residual carry may hold integer counters)."""
+    is_float = lambda x: jnp.issubdtype(x.dtype, jnp.inexact)  # noqa: E731
+    floats = jax.tree.map(lambda x: x if is_float(x) else None, tree)
+    others = jax.tree.map(lambda x: None if is_float(x) else x, tree)
+    return floats, others
+
+
+def _merge_split(floats, others):
+    return jax.tree.map(lambda f, o: o if f is None else f, floats, others,
+                        is_leaf=lambda x: x is None)
+
+
+def rebuilding_scan(body, carry0, xs, extras, *, snapshot, rebuild):
+    """jax.lax.scan(body(carry, x, extras) -> (carry, aux)) whose backward does not keep every
+    step's carry: the forward saves snapshot(carry) per step (small) and the final carry; the
+    backward rebuilds step r's input carry as rebuild(final_carry, snapshot_r), recomputes the
+    step under jax.vjp and walks the steps in reverse. For residual schemes whose carry is a large
+    append-mostly buffer (Attention Residuals): memory O(buffer + steps * snapshot) instead of
+    O(steps * buffer), at the cost of recomputing each step's forward (remat="full" pays that
+    anyway). extras (positions, segment ids) get no gradient."""
+
+    @jax.custom_vjp
+    def run(carry0, xs, extras):
+        return jax.lax.scan(lambda c, x: body(c, x, extras), carry0, xs)
+
+    def fwd(carry0, xs, extras):
+        def step(c, x):
+            snap = snapshot(c)
+            c, aux = body(c, x, extras)
+            return c, (aux, snap)
+
+        carry, (aux, snaps) = jax.lax.scan(step, carry0, xs)
+        return (carry, aux), (carry, snaps, xs, extras)
+
+    def bwd(res, cts):
+        final, snaps, xs, extras = res
+        d_final, d_aux = cts
+
+        def step(d_carry_f, inp):
+            x, snap, da = inp
+            c_f, c_o = _split_inexact(rebuild(final, snap))
+            x_f, x_o = _split_inexact(x)
+
+            def f(cf, xf):
+                c2, aux = body(_merge_split(cf, c_o), _merge_split(xf, x_o), extras)
+                return _split_inexact(c2)[0], aux
+
+            _, vjp = jax.vjp(f, c_f, x_f)
+            d_c, d_x = vjp((d_carry_f, da))
+            return d_c, d_x
+
+        d_c0, d_xs = jax.lax.scan(step, _split_inexact(d_final)[0], (xs, snaps, d_aux),
+                                  reverse=True)
+        zeros_like = lambda t: jax.tree.map(  # noqa: E731
+            lambda a: None if a is None else jnp.zeros(jnp.shape(a), jax.dtypes.float0), t)
+        d_carry0 = _merge_split(d_c0, zeros_like(_split_inexact(carry0)[1]))
+        d_xs = _merge_split(d_xs, zeros_like(_split_inexact(xs)[1]))
+        return d_carry0, d_xs, None
+
+    run.defvjp(fwd, bwd)
+    return run(carry0, xs, extras)
+
+
 class Transformer(nnx.Module):
     """Decoder-only Transformer built from the registries (see module docstring)."""
 
@@ -156,7 +221,24 @@ class Transformer(nnx.Module):
             body = jax.checkpoint(body, policy=_remat_policy(cfg.remat),
                                   prevent_cse=not cfg.scan_layers, static_argnums=(3,))
 
-        if cfg.scan_layers:
+        rebuild = getattr(residual_cls, "rebuild_carry", None)
+        if cfg.scan_layers and cache is None and cfg.remat == "full" and rebuild is not None:
+            # Recomputing anyway (remat="full"), and the scheme can rebuild each layer's carry
+            # from the final one: save a small snapshot per layer instead of the whole carry.
+            graphdef, state = nnx.split(self.blocks)
+
+            def plain_body(carry, block_state, extras):
+                block = nnx.merge(graphdef, block_state)
+                carry, _, aux = block(carry, None, positions=extras[0], segment_ids=extras[1])
+                return carry, aux
+
+            carry, aux_stack = rebuilding_scan(
+                plain_body, carry, state, (positions, segment_ids),
+                snapshot=functools.partial(residual_cls.snapshot, cfg),
+                rebuild=functools.partial(rebuild, cfg))
+            aux = {k: jnp.sum(v) for k, v in aux_stack.items()}
+            new_cache = None
+        elif cfg.scan_layers:
             graphdef, state = nnx.split(self.blocks)
 
             def scan_body(carry, xs):
