@@ -3,7 +3,8 @@ and validation loss at equal steps and tokens for standard / Full / Block AttnRe
 
     python -m aiinfra_jax.eval.bench_attnres [--config configs/tiny.py] [--set k=v ...]
         [--steps 20] [--deep-layers 16] [--deep-set k=v ...] [--train-steps 600]
-        [--eval-batches 32] [--skip-overhead] [--skip-quality] [--out-dir runs/bench_attnres]
+        [--eval-batches 32] [--skip-overhead] [--skip-quality] [--memory]
+        [--out-dir runs/bench_attnres]
 
 Reduced size (a few CPU minutes):
     python -m aiinfra_jax.eval.bench_attnres --set model.d_model=128 --set data.seq_len=128 \\
@@ -16,6 +17,9 @@ Reduced size (a few CPU minutes):
 2. Quality: aiinfra_jax.train.train for --train-steps steps per scheme on the config's corpus (same
    data, seed, batch and steps, so equal tokens); final validation loss (eval.final_batches =
    --eval-batches) and the training-loss curves -> a PNG and a JSON in --out-dir.
+3. With --memory: the compiled temporaries of each scheme's gradient (no optimizer) at the config's
+   batch shape, with remat "none" and "full" (under "full", AttnRes rebuilds each layer's depth
+   buffer from the final one: models/transformer.rebuilding_scan); nothing runs.
 The paper (at scale) reports < 4% training and < 2% inference overhead; small models may not gain
 in loss (reproductions at small depth disagree): the benchmark reports what it sees.
 """
@@ -94,6 +98,36 @@ def overhead(config: str, overrides: list[str], steps: int, label: str,
     return rows
 
 
+def memory(config: str, overrides: list[str], label: str, residuals=RESIDUALS) -> list[dict]:
+    """Compiled temporaries (memory_analysis) of the gradient of the model's summed logits on one
+    batch of the config's shape, per scheme, without and with remat="full"; nothing runs."""
+    import jax.numpy as jnp
+
+    from aiinfra_jax.models import Transformer
+    rows = []
+    for residual in residuals:
+        for remat in ("none", "full"):
+            cfg = load_config(config, overrides + [f"model.residual={residual}",
+                                                   f"model.remat={remat}"])
+            m = cfg.model.with_vocab(384) if cfg.model.vocab_size <= 0 else cfg.model
+            model = nnx.eval_shape(lambda: Transformer(m, rngs=nnx.Rngs(0)))  # noqa: B023
+            graphdef, state = nnx.split(model)
+            shape = (cfg.data.batch_size, cfg.data.seq_len)
+            tokens = jax.ShapeDtypeStruct(shape, jnp.int32)
+
+            def loss(state, tokens):
+                positions = jnp.broadcast_to(jnp.arange(shape[1], dtype=jnp.int32), shape)
+                return jnp.sum(nnx.merge(graphdef, state)(  # noqa: B023
+                    tokens, positions=positions)[0])
+
+            compiled = jax.jit(jax.grad(loss)).lower(state, tokens).compile()
+            mib = compiled.memory_analysis().temp_size_in_bytes / 2 ** 20
+            rows.append({"setting": label, "residual": residual, "remat": remat,
+                         "n_layers": m.n_layers, "grad_temp_mib": mib})
+            print(f"[memory/{label}] {residual} remat={remat}: {mib:.0f} MiB", flush=True)
+    return rows
+
+
 def quality(config: str, overrides: list[str], train_steps: int, eval_batches: int,
             residuals=RESIDUALS) -> list[dict]:
     rows = []
@@ -155,6 +189,8 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-batches", type=int, default=32)
     ap.add_argument("--skip-overhead", action="store_true")
     ap.add_argument("--skip-quality", action="store_true")
+    ap.add_argument("--memory", action="store_true",
+                    help="also tabulate compiled gradient temporaries (remat none / full)")
     ap.add_argument("--residuals", default=",".join(RESIDUALS),
                     help="comma-separated schemes; overhead ratios need 'standard' first")
     ap.add_argument("--out-dir", default="runs/bench_attnres")
@@ -184,6 +220,16 @@ def main(argv=None) -> int:
                   f"{r['train_step_s'] * 1e3:.1f} | {r['train_ratio']:.3f} | "
                   f"{r['forward_s'] * 1e3:.1f} | {r['forward_ratio']:.3f} | "
                   f"{r['depth_flops_frac']:.2%} | {r['depth_bytes_per_token'] / 1e3:.1f} KB |")
+    if args.memory:
+        rows = memory(args.config, common, "base", residuals)
+        if args.deep_layers:
+            rows += memory(args.config, common + [f"model.n_layers={args.deep_layers}"]
+                           + args.deep_overrides, f"deep L={args.deep_layers}", residuals)
+        result["memory"] = rows
+        print("\n| setting | residual | remat | gradient temporaries MiB |\n|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['setting']} | {r['residual']} | {r['remat']} | "
+                  f"{r['grad_temp_mib']:.0f} |")
     if not args.skip_quality:
         rows = quality(args.config, common, args.train_steps, args.eval_batches, residuals)
         result["quality"] = rows

@@ -57,3 +57,21 @@ def test_profile_step_toy(tmp_path):
     assert res["rows"] and res["total_op_seconds_per_call"] > 0
     assert any("dot_general" in r["op_name"] for r in res["rows"])  # the matmuls are found
     assert not any(r["op"].startswith(("while", "Pjit")) for r in res["rows"])
+
+
+def test_bench_attnres_memory_toy(tmp_path):
+    """--memory tabulates compiled gradient temporaries; remat=full (AttnRes rebuilding its depth
+    buffer) needs less than remat=none for the deeper Full AttnRes model."""
+    from aiinfra_jax.eval import bench_attnres
+
+    assert bench_attnres.main([
+        "--skip-overhead", "--skip-quality", "--memory", "--deep-layers", "4",
+        "--set", "model.d_model=32", "--set", "model.n_heads=2", "--set", "model.n_kv_heads=1",
+        "--set", "model.n_layers=1", "--set", "model.attnres.n_blocks=2",
+        "--deep-set", "model.attnres.n_blocks=4", "--set", "data.seq_len=16",
+        "--set", "data.batch_size=2", "--residuals", "standard,attnres_full",
+        "--out-dir", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bench_attnres.json").read_text())["memory"]
+    mem = {(r["setting"], r["residual"], r["remat"]): r["grad_temp_mib"] for r in rows}
+    assert len(mem) == 8
+    assert mem[("deep L=4", "attnres_full", "full")] < mem[("deep L=4", "attnres_full", "none")]
