@@ -1,4 +1,7 @@
-"""A small NSA model that learns the long-context tasks: about an hour on a 2-core CPU.
+"""A small NSA model for the long-context tasks: about an hour on a 2-core CPU.
+
+Status (2026-11-30, eval/BENCHMARKS.md): 650 steps do not teach it retrieval (NIAH 0% at 1k-4k; it
+learns the answer format only). The next attempt should start with a short pilot and a curriculum.
 
 A byte-level decoder (4 layers, d_model 256, 4 query heads over 2 KV heads, NSA mixer) trained at
 1024 tokens on a mixture of the default
