@@ -4,8 +4,8 @@ Status (2026-11-30, eval/BENCHMARKS.md): 650 steps do not teach it retrieval (NI
 learns the answer format only). The next attempt should start with a short pilot and a curriculum.
 
 A byte-level decoder (4 layers, d_model 256, 4 query heads over 2 KV heads, NSA mixer) trained at
-1024 tokens on a mixture of the default corpus and the synthetic tasks of ``aiinfra_jax.data.synthetic``: the eight RULER NIAH variants,
-passkey, MQAR and variable tracking. Synthetic documents weight their answers (2.0) far above their
+1024 tokens on a mixture of the default corpus and the synthetic tasks of
+``aiinfra_jax.data.synthetic``: the eight RULER NIAH variants, passkey, MQAR and variable tracking. Synthetic documents weight their answers (2.0) far above their
 haystacks (0.1), so the recall skill is what they teach; the corpus keeps the model a language
 model. max_seq_len 8192 leaves room to evaluate at 2x and 4x the training length (prompt + answer).
 
