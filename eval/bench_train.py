@@ -42,15 +42,21 @@ def device_description() -> str:
            f"{__import__('os').cpu_count()} cores; jax {jax.__version__})"
 
 
-def timed_train_steps(cfg, steps: int):
-    """Runs the jitted train step `steps` times on one batch already on the device, after one
-    warm-up (compiling) step; returns (trainer, state, jitted eval step, device batch, seconds per
-    step). Shared by the benchmarks that time a training step."""
+def step_setup(cfg):
+    """(trainer, initial state, jitted train step, jitted eval step, one training batch on the
+    device): what the benchmarks that time or profile a step start from."""
     trainer = Trainer(cfg)
     state = trainer.init_state()
     jtrain, jeval = trainer.compiled_steps()
     batch = next(make_iterator(cfg.data, trainer.tokenizer, split="train", seed=cfg.run.seed))
-    batch = shd.shard_batch(batch, trainer.mesh)
+    return trainer, state, jtrain, jeval, shd.shard_batch(batch, trainer.mesh)
+
+
+def timed_train_steps(cfg, steps: int):
+    """Runs the jitted train step `steps` times on one batch already on the device, after one
+    warm-up (compiling) step; returns (trainer, state, jitted eval step, device batch, seconds per
+    step). Shared by the benchmarks that time a training step."""
+    trainer, state, jtrain, jeval, batch = step_setup(cfg)
     state, m = jtrain(state, batch)  # compile + warm-up
     jax.block_until_ready(m)
     times = []

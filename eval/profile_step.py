@@ -30,8 +30,7 @@ from pathlib import Path
 import jax
 
 from aiinfra_jax.config import load_config
-from aiinfra_jax.data import make_iterator
-from aiinfra_jax.train import Trainer
+from aiinfra_jax.eval.bench_train import step_setup
 
 _OP_NAME = re.compile(r'\s*(?:ROOT )?%([\w.\-]+) = .*?op_name="([^"]+)"')
 # Host-side wrappers, and control-flow ops whose events enclose the ops they run (counted there).
@@ -64,10 +63,7 @@ def op_times(trace_dir: str) -> dict[str, float]:
 
 
 def profile(cfg, step: str, calls: int, out: Path) -> dict:
-    trainer = Trainer(cfg)
-    state = trainer.init_state()
-    jtrain, jeval = trainer.compiled_steps()
-    batch = next(make_iterator(cfg.data, trainer.tokenizer, split="train", seed=cfg.run.seed))
+    _, state, jtrain, jeval, batch = step_setup(cfg)
     if step == "train":
         fn, args = jtrain, (state, batch)
     else:
