@@ -19,6 +19,10 @@ Options (comma-separated key=value after a second colon):
   max_length      longest prompt in tokens (default: data.seq_len minus the answer)
   context_weight  loss weight of prompt tokens (default 0.0)
   answer_weight   loss weight of the answer tokens and EOS (default 1.0)
+Any other key=value goes to the task's generator as a keyword option (an int where the value is
+one, else a float), e.g. ``synthetic:mqar:num_queries=16`` (every key recalled inline, a denser
+recall signal) or ``synthetic:variable_tracking:num_hops=2``; an option the generator does not take
+is an error at construction.
 
 Dependency note: the generators live in ``aiinfra_jax.eval.tasks`` (pure numpy; they import only
 ``aiinfra_jax.data.sources``). They are imported lazily inside the factory, so ``import
@@ -53,6 +57,7 @@ class SyntheticOptions:
     max_length: int = 0  # 0 = seq_len minus the answer
     context_weight: float = 0.0
     answer_weight: float = 1.0
+    task_options: tuple[tuple[str, int | float], ...] = ()  # keyword options of the generator
 
     def __post_init__(self):
         for name in ("n", "seed", "min_length", "max_length"):
@@ -76,19 +81,32 @@ def parse_spec(spec: str) -> tuple[str, SyntheticOptions]:
         raise ValueError(f"data source {spec!r}: expected 'synthetic:<task>[:key=value,...]', e.g. "
                          "'synthetic:niah' or 'synthetic:mqar:min_length=128'")
     kwargs: dict[str, Any] = {}
+    task_options: dict[str, int | float] = {}
     if len(parts) == 3 and parts[2]:
         for item in parts[2].split(","):
             key, eq, value = item.partition("=")
             key = key.strip()
-            if not eq or key not in _INT_OPTIONS + _FLOAT_OPTIONS:
-                raise ValueError(f"data source {spec!r}: bad option {item!r}; options are "
-                                 f"{', '.join(_INT_OPTIONS + _FLOAT_OPTIONS)} as key=value")
+            if not eq or not key.isidentifier():
+                raise ValueError(f"data source {spec!r}: bad option {item!r}; options are key=value "
+                                 f"({', '.join(_INT_OPTIONS + _FLOAT_OPTIONS)}, or a keyword "
+                                 "option of the task's generator)")
             try:
-                kwargs[key] = (int(value.replace("_", "")) if key in _INT_OPTIONS
-                               else float(value))
+                if key in _INT_OPTIONS:
+                    kwargs[key] = int(value.replace("_", ""))
+                elif key in _FLOAT_OPTIONS:
+                    kwargs[key] = float(value)
+                else:
+                    task_options[key] = _number(value)
             except ValueError as e:
                 raise ValueError(f"data source {spec!r}: option {key}={value!r} is not a number") from e
-    return parts[1], SyntheticOptions(**kwargs)
+    return parts[1], SyntheticOptions(**kwargs, task_options=tuple(sorted(task_options.items())))
+
+
+def _number(value: str) -> int | float:
+    try:
+        return int(value.replace("_", ""))
+    except ValueError:
+        return float(value)
 
 
 def _tasks():
@@ -122,9 +140,16 @@ class SyntheticSource:
             raise ValueError(f"data source {spec!r}: max_length={opts.max_length} exceeds "
                              f"data.seq_len={cfg.seq_len}; documents must fit one row")
 
+    def _make(self, task: str, length: int, depth: float, seed: int):
+        return _tasks().make_task_example(self.tokenizer, task, length, depth, seed,
+                                          **dict(self.options.task_options))
+
     def _minimum(self, task: str) -> int:
         try:
-            _tasks().make_task_example(self.tokenizer, task, 1, 0.5, 0)
+            self._make(task, 1, 0.5, 0)
+        except TypeError as e:  # an option the generator does not take
+            raise ValueError(f"data source {self.name!r}: task {task!r} does not take the option(s) "
+                             f"{dict(self.options.task_options)} ({e})") from e
         except _tasks().ContextTooShort as e:
             return max(64, e.needed + 8)
         return 64
@@ -152,18 +177,17 @@ class SyntheticSource:
         depth = float(rng.uniform())
         seed = TRAIN_SEED_BASE + self.options.seed * 2**32 + index
         try:
-            ex = _tasks().make_task_example(self.tokenizer, task, length, depth, seed)
+            ex = self._make(task, length, depth, seed)
         except _tasks().ContextTooShort as e:  # this example's keys are longer than usual
             length = e.needed
-            ex = _tasks().make_task_example(self.tokenizer, task, length, depth, seed)
+            ex = self._make(task, length, depth, seed)
         overflow = length + ex.target_tokens.size + 1 - (self.seq_len + 1)
         if overflow > 0:  # the answer does not depend on the length, so one retry suffices
             if length - overflow < min(lo, length):
                 raise ValueError(f"{self.name}: task {task!r} with its {ex.target_tokens.size}-"
                                  f"token answer does not fit data.seq_len={self.seq_len}; raise "
                                  "data.seq_len")
-            ex = _tasks().make_task_example(self.tokenizer, task, length - overflow, depth,
-                                                   seed)
+            ex = self._make(task, length - overflow, depth, seed)
         return ex
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:

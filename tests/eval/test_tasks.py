@@ -141,11 +141,31 @@ def test_synthetic_source_documents():
 def test_synthetic_spec_errors():
     assert parse_spec("synthetic:mqar")[0] == "mqar"
     with pytest.raises(ValueError, match="bad option"):
-        parse_spec("synthetic:mqar:lenght=3")
+        parse_spec("synthetic:mqar:lenght")
+    with pytest.raises(ValueError, match="not a number"):
+        parse_spec("synthetic:mqar:num_queries=many")
+    # A key that is neither a source option nor a keyword of the generator (a typo) fails at once.
+    with pytest.raises(ValueError, match="does not take"):
+        open_source("synthetic:mqar:lenght=3", DataConfig())
+    with pytest.raises(ValueError, match="num_queries"):  # the generator's own validation
+        open_source("synthetic:mqar:num_queries=40", DataConfig())
     with pytest.raises(ValueError, match="unknown task"):
         open_source("synthetic:bogus", DataConfig())
     with pytest.raises(ValueError, match="seq_len"):
         open_source("synthetic:niah_multiquery", DataConfig(seq_len=300))
+
+
+def test_synthetic_generator_options_reach_the_generator():
+    cfg = DataConfig(tokenizer="byte", seq_len=512)
+    name, opts = parse_spec("synthetic:mqar:num_queries=16,context_weight=0.1")
+    assert name == "mqar" and opts.task_options == (("num_queries", 16),)
+    assert opts.context_weight == 0.1
+    dense, plain = (open_source(s, cfg) for s in ("synthetic:mqar:num_queries=16", "synthetic:mqar"))
+    i = int(np.random.default_rng().integers(len(plain)))
+    # num_queries - 1 inline recalls are marked for training (the last query is the answer).
+    assert len(dense.example(i).extra_weighted) == 15
+    assert len(plain.example(i).extra_weighted) == 3
+    assert np.sum(dense[i]["loss_weights"] > 0) > np.sum(plain[i]["loss_weights"] > 0)
 
 
 def test_data_package_does_not_import_eval():
