@@ -16,7 +16,8 @@ importing ``aiinfra_jax.data`` never loads ``eval``, and there is no import cycl
 eval.tasks -> data.sources, with data already initialised). Moving these pure generators into
 ``aiinfra_jax/data/tasks`` later would change only import lines.
 
-Tasks: the eight RULER NIAH variants (``NIAH_TASKS``), "passkey", "mqar", "variable_tracking".
+Tasks: the eight RULER NIAH variants (``NIAH_TASKS``), "passkey", "mqar", "variable_tracking", and
+"copy" (a random string to repeat: the induction warm-up for training, see ``copy``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aiinfra_jax.eval.tasks.common import Example
+from aiinfra_jax.eval.tasks.copy import copy_example
 from aiinfra_jax.eval.tasks.haystack import ContextTooShort
 from aiinfra_jax.eval.tasks.mqar import mqar_example
 from aiinfra_jax.eval.tasks.niah import NIAH_VARIANTS, NIAHSpec, niah_example
@@ -40,6 +42,7 @@ TASKS: dict[str, TaskFn] = {
     "passkey": passkey_example,
     "mqar": mqar_example,
     "variable_tracking": variable_tracking_example,
+    "copy": copy_example,
 }
 # Names that stand for several tasks (in --tasks and in "synthetic:<name>").
 TASK_GROUPS: dict[str, tuple[str, ...]] = {"niah": NIAH_TASKS, "all": tuple(TASKS)}
@@ -73,7 +76,7 @@ def make_task_example(tokenizer: Any, task: str, length: int, depth: float, seed
 
 
 __all__ = [
-    "ContextTooShort", "Example", "NIAHSpec", "NIAH_TASKS", "NIAH_VARIANTS", "TASKS", "TASK_GROUPS",
+    "ContextTooShort", "Example", "copy_example", "NIAHSpec", "NIAH_TASKS", "NIAH_VARIANTS", "TASKS", "TASK_GROUPS",
     "answer_line", "exact_match", "expand_tasks", "make_task_example", "mqar_example",
     "niah_example", "passkey_example", "score", "string_match_all", "string_match_part",
     "variable_tracking_example",

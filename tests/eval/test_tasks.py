@@ -80,6 +80,16 @@ def test_niah_variants_differ_as_specified():
     assert len(mq.answers) == 4 and len(set(mq.answers)) == 4
 
 
+def test_copy_task_string():
+    ex = make_task_example(TOK, "copy", 400, 0.5, 5)
+    (secret,) = ex.answers
+    assert len(secret) == 32 and secret.isalnum() and secret.lower() == secret
+    assert ex.prompt_text(TOK).count(secret) == 1 and ex.metric == "exact"
+    assert len(make_task_example(TOK, "copy", 400, 0.5, 5, num_chars=8).answers[0]) == 8
+    with pytest.raises(ValueError, match="num_chars"):
+        make_task_example(TOK, "copy", 400, 0.5, 5, num_chars=0)
+
+
 def test_bad_requests_are_refused():
     with pytest.raises(ContextTooShort, match="length=50") as info:
         make_task_example(TOK, "niah_multiquery", 50, 0.5, 0)
@@ -122,7 +132,7 @@ def test_synthetic_source_documents():
     val, train = src.split_indices("validation", 0.05), src.split_indices("train", 0.05)
     assert len(val) == 50 and len(train) == 950 and not set(val) & set(train)
     seen = set()
-    for i in range(0, 33, 3):
+    for i in range(len(src.tasks)):  # document i is task i mod the number of tasks
         doc = src[i]
         toks, w = doc["tokens"], doc["loss_weights"]
         assert toks.size <= cfg.seq_len + 1 and toks[0] == TOK.bos_id and toks[-1] == TOK.eos_id
@@ -133,7 +143,7 @@ def test_synthetic_source_documents():
         assert TOK.decode(toks[-n_ans:]) == ex.target_text
         assert np.all((w[:-n_ans] == 0.1) | (w[:-n_ans] == 2.0))
         np.testing.assert_array_equal(src[i]["tokens"], toks)  # deterministic
-    assert len(seen) >= 8
+    assert seen == set(src.tasks)
     other = open_source("synthetic:all:n=1000,seed=4", cfg)
     assert not np.array_equal(other[0]["tokens"], src[0]["tokens"])
 
