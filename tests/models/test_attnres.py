@@ -219,7 +219,8 @@ def test_bad_configs_fail_clearly(make, pattern):
 
 @pytest.mark.parametrize("residual", ["attnres_full", "attnres_block"])
 def test_tiny_training_run(tmp_path, residual):
-    """aiinfra_jax.train.train end to end (Block with remat="full"): the loss drops."""
+    """aiinfra_jax.train.train end to end (Block with remat="full"): the loss drops, and the first
+    2 steps on a data=2, fsdp=2, tensor=2 mesh of the 8 simulated devices give the same losses."""
     from aiinfra_jax.config import load_config
     from aiinfra_jax.train import train
     overrides = [
@@ -235,6 +236,15 @@ def test_tiny_training_run(tmp_path, residual):
     assert all(np.isfinite(v) for v in losses.values())
     assert losses[6] < losses[1] - 0.2, losses
     assert np.isfinite(summary["validation"]["loss"])
+    sharded = [o.replace(str(tmp_path), str(tmp_path / "eight")) for o in overrides]
+    sharded = [o for o in sharded if o != "mesh.num_devices=1"]
+    eight = train(load_config("configs/tiny.py", sharded + [
+        "mesh.num_devices=8", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]),
+        stop_after=2, quiet=True)
+    eight_losses = {r["step"]: r["loss"] for r in eight["history"]}
+    assert sorted(eight_losses) == [1, 2]
+    for step, loss in eight_losses.items():
+        assert loss == pytest.approx(losses[step], rel=2e-5), step
 
 
 @pytest.mark.parametrize("residual,n_blocks", [("attnres_full", 2), ("attnres_block", 2),
