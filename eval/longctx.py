@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -36,7 +37,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from aiinfra_jax.config import ConfigError, apply_overrides, from_dict
 from aiinfra_jax.data import load_tokenizer
@@ -90,7 +93,11 @@ class LongCtxConfig:
     [0, 1]; samples: examples per (task, length, depth), sample s uses seed ``seed * 1_000_003 + s``
     (the same keys and values at every length and depth); batch_size: prompts per generate call;
     answer_margin: decode budget beyond the longest expected answer and its EOS; prefill_chunk:
-    prompt chunk of the prefill (None = one chunk).
+    prompt chunk of the prefill (None = one chunk); teacher_forced: also score the expected answer
+    under teacher forcing where the answerer can (``answer_nll``: mean negative log-likelihood per
+    answer token, EOS included; ``answer_token_acc``: share of answer tokens that are the greedy
+    choice given the true prefix). Exact match stays at 0 until a whole answer is right; these two
+    move as soon as the model starts to copy, so they show a run's progress on the way.
     """
 
     tasks: tuple[str, ...] = NIAH_TASKS
@@ -101,6 +108,7 @@ class LongCtxConfig:
     batch_size: int = 8
     answer_margin: int = 4
     prefill_chunk: int | None = None
+    teacher_forced: bool = True
 
     def __post_init__(self):
         try:
@@ -252,6 +260,47 @@ class ModelAnswerer:
         return self._run(tokens, lengths, max_new_tokens, timed=True)
 
 
+    def teacher_forced(self, examples: Sequence[Example]) -> list[tuple[float, float]]:
+        """(answer_nll, answer_token_acc) per example: one forward pass over prompt + answer + EOS
+        (right-padded; causal, so the padding changes nothing), logits only at the answer."""
+        eos = self.tokenizer.eos_id
+        seqs = [np.concatenate([ex.prompt_tokens, ex.target_tokens, [eos]]).astype(np.int32)
+                for ex in examples]
+        starts = np.array([ex.prompt_tokens.size for ex in examples], np.int32)
+        width = max(s.size for s in seqs) - int(starts.min())
+        tokens = np.full((len(seqs), int(starts.max()) + width), self.tokenizer.pad_id,
+                         np.int32)
+        for b, sq in enumerate(seqs):
+            tokens[b, :sq.size] = sq
+        graphdef, state = nnx.split(self.model)
+        nll, hit = _answer_scores(graphdef, state, tokens, starts, width, self.vocab)
+        nll, hit = np.asarray(nll), np.asarray(hit)
+        out = []
+        for b, sq in enumerate(seqs):
+            n = sq.size - int(starts[b])  # answer tokens + EOS
+            out.append((float(nll[b, :n].mean()), float(hit[b, :n].mean())))
+        return out
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5))
+def _answer_scores(graphdef, state, tokens_bt, starts_b, width: int, vocab: int):
+    """Per row, for the `width` targets from starts_b on: -log p(target) and whether the greedy
+    choice (among the tokenizer's `vocab` ids) is the target. Only the gathered rows of hidden
+    states go through the output head."""
+    model = nnx.merge(graphdef, state)
+    batch, seq = tokens_bt.shape
+    positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+    x, _, _ = model.features(tokens_bt, positions=positions)
+    at = starts_b[:, None] - 1 + jnp.arange(width, dtype=jnp.int32)[None]  # predicts token at+1
+    h = jnp.take_along_axis(x, at[..., None], axis=1)
+    logits = model.logits(h).astype(jnp.float32)
+    target = jnp.take_along_axis(tokens_bt, at + 1, axis=1)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, target[..., None], axis=-1)[..., 0]
+    hit = logits[..., :vocab].argmax(-1) == target
+    return nll, hit
+
+
 class CopyAnswerer:
     """A stub that finds each expected answer's tokens in the prompt and copies them from there
     (raising if one is missing), joined like the target, then EOS: it must score 100%."""
@@ -345,13 +394,18 @@ def run_longctx(answerer: Answerer, tokenizer: Any, cfg: LongCtxConfig, *,
             if len(generated) != len(padded):
                 raise ValueError(f"answerer returned {len(generated)} rows for {len(padded)} "
                                  "prompts")
-            for ex, toks in zip(batch, generated):
+            forced = None
+            if cfg.teacher_forced and hasattr(answerer, "teacher_forced"):
+                forced = answerer.teacher_forced(padded)
+            for j, (ex, toks) in enumerate(zip(batch, generated)):
                 toks = [int(t) for t in toks]
                 pred = _prediction_text(tokenizer, toks)
                 rec = {"task": ex.task, "length": ex.length, "depth": ex.depth,
                        "sample": (ex.seed - cfg.seed * 1_000_003), "seed": ex.seed,
                        "answers": list(ex.answers), "prediction": pred, "metric": ex.metric,
                        **score(pred, ex.answers, ex.metric), "generated_tokens": len(toks)}
+                if forced is not None:
+                    rec["answer_nll"], rec["answer_token_acc"] = forced[j]
                 records.append(rec)
                 if jsonl is not None:
                     jsonl.write(json.dumps(rec) + "\n")
@@ -403,9 +457,20 @@ def summarize(records: Sequence[dict[str, Any]], cfg: LongCtxConfig) -> dict[str
         niah_avg["mean"] = _mean([niah_avg[str(n)] for n in cfg.lengths])
         niah_by_depth = {f"{d:g}": {str(n): _mean([by_depth[t][f"{d:g}"][str(n)] for t in niah])
                                     for n in cfg.lengths} for d in cfg.depths}
+    forced = {}
+    for key in ("answer_nll", "answer_token_acc"):
+        if records and all(key in r for r in records):
+            vals: dict[tuple[str, int], list[float]] = defaultdict(list)
+            for r in records:
+                vals[(r["task"], r["length"])].append(r[key])
+            forced[key] = {t: {str(n): _mean(vals[(t, n)]) for n in cfg.lengths}
+                           for t in cfg.tasks}
+            for t in cfg.tasks:
+                forced[key][t]["mean"] = _mean([forced[key][t][str(n)] for n in cfg.lengths])
     return {"tasks": list(cfg.tasks), "lengths": list(cfg.lengths), "depths": list(cfg.depths),
             "samples": cfg.samples, "seed": cfg.seed, "accuracy": acc, "niah_average": niah_avg,
-            "niah_tasks": niah, "by_depth": by_depth, "niah_average_by_depth": niah_by_depth}
+            "niah_tasks": niah, "by_depth": by_depth, "niah_average_by_depth": niah_by_depth,
+            **forced}
 
 
 def markdown_table(result: dict[str, Any]) -> str:
@@ -423,6 +488,14 @@ def markdown_table(result: dict[str, Any]) -> str:
         rows.append(f"| **NIAH average ({len(result['niah_tasks'])} variants)** | "
                     f"{cells(result['niah_average'])} |")
     lines = ["Accuracy (%) by task and context length (tokens):", ""] + rows
+    if "answer_nll" in result:
+        lines += ["", "Teacher-forced answer tokens (the expected answer fed in): mean NLL (nats) "
+                  "/ greedy token accuracy (%):", "", head, rule]
+        for t in result["tasks"]:
+            nll, tacc = result["answer_nll"][t], result["answer_token_acc"][t]
+            lines.append(f"| {t} | " + " | ".join(
+                f"{nll[k]:.2f} / {100 * tacc[k]:.0f}" for k in [str(n) for n in lengths] + ["mean"])
+                + " |")
     tm = result.get("timing") or {}
     if tm:
         lines += ["", f"Wall time {tm['wall_s']:.1f} s for {tm['examples']} examples."]
@@ -494,6 +567,8 @@ def longctx_scores(model: Any, tokenizer: Any, cfg: LongCtxConfig | None = None
     for t in cfg.tasks:
         for n in cfg.lengths:
             out[f"longctx/{t}@{format_length(n)}"] = res["accuracy"][t][str(n)]
+            if "answer_nll" in res:
+                out[f"longctx/{t}@{format_length(n)}/answer_nll"] = res["answer_nll"][t][str(n)]
     if res["niah_average"]:
         for n in cfg.lengths:
             out[f"longctx/niah_avg@{format_length(n)}"] = res["niah_average"][str(n)]
@@ -516,6 +591,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--prefill-chunk", type=int, default=None)
     ap.add_argument("--no-warmup", action="store_true", help="include compilation in the timings")
+    ap.add_argument("--no-teacher-forced", action="store_true",
+                    help="skip the teacher-forced answer NLL / token accuracy (one forward pass "
+                         "per batch)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--out", default=None, help="output folder (default RUN_DIR/longctx/step_N)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -527,7 +605,8 @@ def main(argv: list[str] | None = None) -> int:
                             lengths=tuple(args.lengths.split(",")),
                             depths=parse_depths(args.depths),
                             samples=args.samples, seed=args.seed, batch_size=args.batch_size,
-                            prefill_chunk=args.prefill_chunk)
+                            prefill_chunk=args.prefill_chunk,
+                            teacher_forced=not args.no_teacher_forced)
         run_dir = Path(args.checkpoint)
         cfg_path = run_dir / "config.json"
         if not cfg_path.exists():

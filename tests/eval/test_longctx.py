@@ -69,6 +69,35 @@ def test_model_answerer_matches_generate():
     assert ours == ref.as_lists()
 
 
+def test_teacher_forced_scores_match_the_full_forward():
+    """answer_nll / answer_token_acc equal what the model's own full forward gives, for a batch of
+    prompts and answers of different lengths (right-padded in one call)."""
+    import jax
+
+    model = _tiny_model(vocab_size=TOK.vocab_size)
+    cfg = lc.LongCtxConfig(tasks=("passkey", "niah_single_3", "niah_multivalue"), lengths=(450,),
+                           depths=(0.2, 0.9), samples=1)
+    exs = lc.build_examples(TOK, cfg)
+    got = lc.ModelAnswerer(model, TOK).teacher_forced(exs)
+    for ex, (nll, acc) in zip(exs, got):
+        seq = np.concatenate([ex.prompt_tokens, ex.target_tokens, [TOK.eos_id]])
+        logits, _, _ = model(seq[None, :-1], positions=np.arange(seq.size - 1)[None])
+        logits = np.asarray(logits[0, ex.prompt_tokens.size - 1:], np.float64)
+        target = seq[ex.prompt_tokens.size:]
+        logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+        want_nll = -logp[np.arange(target.size), target].mean()
+        want_acc = (logits.argmax(-1) == target).mean()
+        assert nll == pytest.approx(want_nll, rel=1e-4, abs=1e-5), ex.task
+        assert acc == pytest.approx(want_acc), ex.task
+    res = lc.run_longctx(lc.ModelAnswerer(model, TOK), TOK, cfg, progress=False)
+    assert res["answer_nll"]["passkey"]["450"] == pytest.approx(got[0][0] / 2 + got[1][0] / 2)
+    assert "Teacher-forced" in lc.markdown_table(res)
+    off = lc.run_longctx(lc.ModelAnswerer(model, TOK),
+                         TOK, lc.LongCtxConfig(**{**cfg.__dict__, "teacher_forced": False}),
+                         progress=False)
+    assert "answer_nll" not in off and "Teacher-forced" not in lc.markdown_table(off)
+
+
 def test_copy_stub_scores_100_and_random_stub_near_0():
     cfg = lc.LongCtxConfig(tasks=tuple(TASKS), lengths=(600, 900), depths=(0.0, 0.5, 1.0),
                            samples=1, batch_size=4, seed=int(np.random.default_rng().integers(99)))
@@ -123,9 +152,11 @@ def test_cli_refuses_long_lengths_before_loading(tmp_path, capsys):
 def test_longctx_scores_hook():
     grid = lc.small_grid(lengths=(256,), tasks=("niah_single_1", "passkey"), depths=(0.5,))
     scores = lc.longctx_scores(_tiny_model(), TOK, grid)
+    nll_keys = {"longctx/niah_single_1@256/answer_nll", "longctx/passkey@256/answer_nll"}
     assert set(scores) == {"longctx/niah_single_1@256", "longctx/passkey@256",
-                           "longctx/niah_avg@256", "longctx/niah_avg"}
-    assert all(0.0 <= v <= 1.0 for v in scores.values())
+                           "longctx/niah_avg@256", "longctx/niah_avg"} | nll_keys
+    assert all(0.0 <= v <= 1.0 for k, v in scores.items() if k not in nll_keys)
+    assert all(0.0 < scores[k] < 20.0 for k in nll_keys)
 
 
 def test_config_and_parsing():
