@@ -1,5 +1,9 @@
 """A small NSA model for the long-context tasks: about an hour on a 2-core CPU.
 
+Status (2026-11-30, eval/BENCHMARKS.md, issue 5): this recipe does not learn retrieval either.
+Stopped at step 1301 (NSA) and 1876 (dense), the teacher-forced answer NLL was still at chance on
+every task, the copy warm-up included. The copy circuit has to form first; see "Next" there.
+
 A byte-level decoder (4 layers, d_model 128, 4 query heads over 2 KV heads, NSA mixer) trained at
 512 tokens on a mixture of the synthetic tasks of ``aiinfra_jax.data.synthetic`` and a little of
 the default corpus: the eight RULER NIAH variants, passkey, MQAR, variable tracking and the string
@@ -14,8 +18,9 @@ copy what followed it), which forms only after a long plateau when few tokens pe
 So: short documents (many per row), synthetic documents weight their answers (2.0) far above their
 haystacks (0.1), MQAR recalls every key inline (num_queries=16: 15 teacher-forced recalls per
 document), and the "copy" task puts a 32-character random string in every answer, the densest
-induction signal (a 2-layer model learns pure copying in ~75 steps). A smaller model (d_model 128
-instead of 256) buys 1.7x the steps per hour.
+induction signal (a 2-layer model learns bare copying, a string then its repeat, in ~75 steps; the
+copy task, with its string inside instructions and filler, did not start within 300 steps alone).
+A smaller model (d_model 128 instead of 256) buys 1.7x the steps per hour.
 
 NSA sizes are scaled to the 512-token training length so that retrieval has to go through the
 sparse branches: compression blocks of 16 with stride 8, 8 selected blocks of 32 (half the context
