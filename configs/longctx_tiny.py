@@ -2,7 +2,9 @@
 
 Status (2026-11-30, eval/BENCHMARKS.md, issue 5): this recipe does not learn retrieval either.
 Stopped at step 1301 (NSA) and 1876 (dense), the teacher-forced answer NLL was still at chance on
-every task, the copy warm-up included. The copy circuit has to form first; see "Next" there.
+every task, the copy warm-up included. The copy circuit has to form first, at short distance (0-200
+bytes of filler between a string and its repeat already stop it forming in 200 steps); see "Next"
+there.
 
 A byte-level decoder (4 layers, d_model 128, 4 query heads over 2 KV heads, NSA mixer) trained at
 512 tokens on a mixture of the synthetic tasks of ``aiinfra_jax.data.synthetic`` and a little of
