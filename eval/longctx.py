@@ -259,7 +259,6 @@ class ModelAnswerer:
         self._seen.add(shape)
         return self._run(tokens, lengths, max_new_tokens, timed=True)
 
-
     def teacher_forced(self, examples: Sequence[Example]) -> list[tuple[float, float]]:
         """(answer_nll, answer_token_acc) per example: one forward pass over prompt + answer + EOS
         (right-padded; causal, so the padding changes nothing), logits only at the answer."""
@@ -438,16 +437,24 @@ def _mean(xs: list[float]) -> float:
     return float(np.mean(xs)) if xs else math.nan
 
 
+def _task_length_table(records: Sequence[dict[str, Any]], key: str, cfg: LongCtxConfig
+                       ) -> dict[str, dict[str, float]]:
+    """{task: {str(length): mean of record[key], ..., "mean": mean over the lengths}}."""
+    vals: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for r in records:
+        vals[(r["task"], r["length"])].append(r[key])
+    table = {t: {str(n): _mean(vals[(t, n)]) for n in cfg.lengths} for t in cfg.tasks}
+    for row in table.values():
+        row["mean"] = _mean([row[str(n)] for n in cfg.lengths])
+    return table
+
+
 def summarize(records: Sequence[dict[str, Any]], cfg: LongCtxConfig) -> dict[str, Any]:
     """Accuracy (mean primary score) by task x length, by task x depth x length, NIAH average."""
-    by_tl: dict[tuple[str, int], list[float]] = defaultdict(list)
     by_tdl: dict[tuple[str, float, int], list[float]] = defaultdict(list)
     for r in records:
-        by_tl[(r["task"], r["length"])].append(r["score"])
         by_tdl[(r["task"], r["depth"], r["length"])].append(r["score"])
-    acc = {t: {str(n): _mean(by_tl[(t, n)]) for n in cfg.lengths} for t in cfg.tasks}
-    for t in cfg.tasks:
-        acc[t]["mean"] = _mean([acc[t][str(n)] for n in cfg.lengths])
+    acc = _task_length_table(records, "score", cfg)
     by_depth = {t: {f"{d:g}": {str(n): _mean(by_tdl[(t, d, n)]) for n in cfg.lengths}
                     for d in cfg.depths} for t in cfg.tasks}
     niah = [t for t in cfg.tasks if t in NIAH_TASKS]
@@ -457,16 +464,9 @@ def summarize(records: Sequence[dict[str, Any]], cfg: LongCtxConfig) -> dict[str
         niah_avg["mean"] = _mean([niah_avg[str(n)] for n in cfg.lengths])
         niah_by_depth = {f"{d:g}": {str(n): _mean([by_depth[t][f"{d:g}"][str(n)] for t in niah])
                                     for n in cfg.lengths} for d in cfg.depths}
-    forced = {}
-    for key in ("answer_nll", "answer_token_acc"):
-        if records and all(key in r for r in records):
-            vals: dict[tuple[str, int], list[float]] = defaultdict(list)
-            for r in records:
-                vals[(r["task"], r["length"])].append(r[key])
-            forced[key] = {t: {str(n): _mean(vals[(t, n)]) for n in cfg.lengths}
-                           for t in cfg.tasks}
-            for t in cfg.tasks:
-                forced[key][t]["mean"] = _mean([forced[key][t][str(n)] for n in cfg.lengths])
+    forced = {key: _task_length_table(records, key, cfg)
+              for key in ("answer_nll", "answer_token_acc")
+              if records and all(key in r for r in records)}
     return {"tasks": list(cfg.tasks), "lengths": list(cfg.lengths), "depths": list(cfg.depths),
             "samples": cfg.samples, "seed": cfg.seed, "accuracy": acc, "niah_average": niah_avg,
             "niah_tasks": niah, "by_depth": by_depth, "niah_average_by_depth": niah_by_depth,
