@@ -238,10 +238,22 @@ def _coerce(tp, value, key: str, current=None):
         raise ConfigError(f"{key}={value!r}: expected {_type_name(tp)}")
     if origin is tuple:
         args = typing.get_args(tp)
-        if isinstance(value, str):
+        nested = any(typing.get_origin(a) is tuple for a in args)
+        if isinstance(value, str) and nested:
+            # Nested sequences from the command line are YAML flow lists: [[500, [1, 0]], ...].
+            try:
+                value = yaml.safe_load(value.replace("(", "[").replace(")", "]"))
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{key}={value!r}: expected a nested list, e.g. [[500, [1, 0]]] "
+                                  f"({e})") from e
+        elif isinstance(value, str):
             value = [v.strip() for v in value.strip("()[]").split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}={value!r}: expected a list ({_type_name(tp)}), e.g. a,b,c")
+        if args and args[-1] is not Ellipsis:  # fixed length: tuple[int, str]
+            if len(value) != len(args):
+                raise ConfigError(f"{key}={value!r}: expected {len(args)} entries ({_type_name(tp)})")
+            return tuple(_coerce(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
         elem = args[0] if args else str
         return tuple(_coerce(elem, v, f"{key}[{i}]") for i, v in enumerate(value))
     if tp is bool:

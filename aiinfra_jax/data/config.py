@@ -24,7 +24,15 @@ class DataConfig:
         files and the pydoc topics); any other spec without a registered scheme is a local path to
         a file or folder (text files such as .txt/.md/.py, .jsonl, .parquet). Registered schemes
         (``register_source`` in ``aiinfra_jax.data.sources``, e.g. "synthetic:niah") take precedence.
-      weights: mixture weights, one per source (positive); empty means equal weights.
+      weights: mixture weights, one per source (>= 0, at least one > 0; the weights count
+        pieces); empty means equal weights. A source of weight 0 is left out of the mix.
+      stages: a curriculum over steps, as in levanter's staged mixtures: ``((start_step, weights),
+        ...)``, with start steps > 0 and increasing. From batch ``start_step`` on (batch i trains
+        step i + 1), ``weights`` (one per source, as above) replace the previous stage's; before
+        the first start step ``weights`` applies. Every source needs a positive weight in some
+        stage. Each stage draws its own fresh shuffle (seeded by the stage index), so a source
+        used in two stages does not replay its documents; resuming restores the stage and the
+        position in it. Validation always uses every document of every source.
       text_field: field of a JSONL record / column of a Parquet table that holds the document text.
       tokenizer: "byte", a path to an HF ``tokenizer.json`` (needs the ``tokenizers`` package) or
         a path to a tiktoken BPE file (needs the ``tiktoken`` package).
@@ -49,6 +57,7 @@ class DataConfig:
     val_fraction: float = 0.05
     long_documents: str = "split"
     num_workers: int = 0
+    stages: tuple[tuple[int, tuple[float, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         # Config loaders (YAML, --set) may hand in lists; store tuples so the config stays hashable.
@@ -56,6 +65,11 @@ class DataConfig:
             object.__setattr__(self, "sources", tuple(self.sources))
         if isinstance(self.weights, (list, tuple)):
             object.__setattr__(self, "weights", tuple(self.weights))
+        if isinstance(self.stages, (list, tuple)):
+            object.__setattr__(self, "stages", tuple(
+                (st[0], tuple(st[1])) if isinstance(st, (list, tuple)) and len(st) == 2
+                and isinstance(st[1], (list, tuple)) else st
+                for st in self.stages))
 
         if isinstance(self.sources, str):
             raise ValueError(
@@ -74,23 +88,8 @@ class DataConfig:
                     "string ('embedded', a local path, or a registered scheme)"
                 )
         if self.weights:
-            if len(self.weights) != len(self.sources):
-                raise ValueError(
-                    f"DataConfig.weights={self.weights!r} has {len(self.weights)} entries but there are "
-                    f"{len(self.sources)} sources {self.sources!r}; give one weight per source or () "
-                    "for equal weights"
-                )
-            for w in self.weights:
-                if (
-                    isinstance(w, bool)
-                    or not isinstance(w, (int, float))
-                    or not math.isfinite(w)
-                    or w <= 0
-                ):
-                    raise ValueError(
-                        f"DataConfig.weights={self.weights!r}: every weight must be a finite number "
-                        f"> 0, got {w!r}"
-                    )
+            self._check_weights("DataConfig.weights", self.weights)
+        self._check_stages()
         if not isinstance(self.text_field, str) or not self.text_field:
             raise ValueError(
                 f"DataConfig.text_field={self.text_field!r} must be a non-empty string naming the "
@@ -117,9 +116,67 @@ class DataConfig:
                 f"{LONG_DOCUMENT_MODES}"
             )
 
-    @property
-    def mixture_weights(self) -> tuple[float, ...]:
-        """The weights normalised to sum to 1 (equal weights when ``weights`` is empty)."""
-        raw = self.weights or (1.0,) * len(self.sources)
+    def _check_weights(self, name: str, weights: tuple) -> None:
+        if len(weights) != len(self.sources):
+            raise ValueError(
+                f"{name}={weights!r} has {len(weights)} entries but there are "
+                f"{len(self.sources)} sources {self.sources!r}; give one weight per source"
+                + (" or () for equal weights" if name == "DataConfig.weights" else "")
+            )
+        for w in weights:
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
+                raise ValueError(f"{name}={weights!r}: every weight must be a finite number >= 0, got {w!r}")
+        if not any(w > 0 for w in weights):
+            raise ValueError(f"{name}={weights!r}: at least one weight must be > 0")
+
+    def _check_stages(self) -> None:
+        if not isinstance(self.stages, tuple):
+            raise ValueError(
+                f"DataConfig.stages={self.stages!r} must be a tuple of (start_step, weights) pairs"
+            )
+        previous = 0
+        for i, stage in enumerate(self.stages):
+            if not (isinstance(stage, tuple) and len(stage) == 2 and isinstance(stage[1], tuple)):
+                raise ValueError(
+                    f"DataConfig.stages[{i}]={stage!r} must be a pair (start_step, weights), e.g. "
+                    f"(500, {(1.0,) * len(self.sources)!r})"
+                )
+            start, weights = stage
+            if not _is_int(start) or start <= previous:
+                raise ValueError(
+                    f"DataConfig.stages[{i}] starts at step {start!r}; start steps must be integers "
+                    f"> 0 and increasing (the previous stage starts at {previous})"
+                )
+            self._check_weights(f"DataConfig.stages[{i}] weights", weights)
+            previous = start
+        if self.stages:
+            used = [any(w[j] > 0 for _, w in self.stage_weights) for j in range(len(self.sources))]
+            unused = [src for src, u in zip(self.sources, used) if not u]
+            if unused:
+                raise ValueError(
+                    f"DataConfig: sources {unused!r} have weight 0 in every stage; remove them or "
+                    "give them a positive weight in some stage"
+                )
+        elif self.weights and not all(w > 0 for w in self.weights):
+            unused = [src for src, w in zip(self.sources, self.weights) if w == 0]
+            raise ValueError(
+                f"DataConfig.weights={self.weights!r} give sources {unused!r} weight 0 and there "
+                "are no stages; remove those sources or use them in a stage"
+            )
+
+    @staticmethod
+    def _normalise(raw: tuple) -> tuple[float, ...]:
         total = float(sum(raw))
         return tuple(float(w) / total for w in raw)
+
+    @property
+    def mixture_weights(self) -> tuple[float, ...]:
+        """The first stage's weights normalised to sum to 1 (equal weights when ``weights`` is empty)."""
+        return self._normalise(self.weights or (1.0,) * len(self.sources))
+
+    @property
+    def stage_weights(self) -> tuple[tuple[int, tuple[float, ...]], ...]:
+        """``((0, weights), (start_step, weights), ...)``: every stage, weights normalised to sum to 1."""
+        return ((0, self.mixture_weights),) + tuple(
+            (start, self._normalise(w)) for start, w in self.stages
+        )

@@ -219,6 +219,7 @@ def make_dataset(
     split: str,
     seed: int | None = None,
     num_epochs: int | None = None,
+    weights: Sequence[float] | None = None,
 ) -> grain.IterDataset:
     """The batched grain dataset of ``split`` (see the module docstring).
 
@@ -230,9 +231,14 @@ def make_dataset(
       num_epochs: passes over each source; None = forever (training). With a finite number the
         sources are concatenated (not mixed), every document is seen ``num_epochs`` times and
         the last batch is padded to ``batch_size`` rows.
+      weights: mixture weights, one per source (None = ``cfg.mixture_weights``); sources of
+        weight 0 are left out of the mix. Only for endless iteration.
     """
     if split not in sources_lib.SPLITS:
         raise ValueError(f"split={split!r} is not one of {sources_lib.SPLITS}")
+    if num_epochs is not None and weights is not None:
+        raise ValueError("weights only apply to endless iteration (num_epochs=None); a finite pass "
+                         "concatenates every source")
     if num_epochs is not None and (not isinstance(num_epochs, int) or num_epochs < 1):
         raise ValueError(f"num_epochs={num_epochs!r} must be None (forever) or an integer >= 1")
     seed = cfg.shuffle_seed if seed is None else seed
@@ -242,8 +248,12 @@ def make_dataset(
     docs = [_document_dataset(src, cfg, split, seed, i) for i, src in enumerate(opened)]
 
     if num_epochs is None:
-        streams = [_pieces(d.repeat(None), cfg, tokenizer) for d in docs]
-        ds = streams[0] if len(streams) == 1 else grain.IterDataset.mix(streams, list(cfg.mixture_weights))
+        weights = list(cfg.mixture_weights if weights is None else weights)
+        if len(weights) != len(docs) or not any(w > 0 for w in weights):
+            raise ValueError(f"weights={weights!r}: need one weight >= 0 per source, one of them > 0")
+        streams = [_pieces(d.repeat(None), cfg, tokenizer) for d, w in zip(docs, weights) if w > 0]
+        weights = [w for w in weights if w > 0]
+        ds = streams[0] if len(streams) == 1 else grain.IterDataset.mix(streams, weights)
     else:
         merged = docs[0] if len(docs) == 1 else grain.MapDataset.concatenate(docs)
         ds = _pieces(merged.repeat(num_epochs), cfg, tokenizer)
@@ -355,18 +365,11 @@ class DataIterator:
         return self._it
 
 
-def make_iterator(
-    cfg: DataConfig,
-    tokenizer: Tokenizer,
-    split: str = "train",
-    seed: int | None = None,
-    repeat: bool = True,
-) -> DataIterator:
-    """A ``DataIterator`` over ``split``: endless when ``repeat``, else one deterministic pass."""
-    ds = make_dataset(cfg, tokenizer, split=split, seed=seed, num_epochs=None if repeat else 1)
-    fingerprint = {
+def _fingerprint(cfg: DataConfig, tokenizer: Tokenizer, split: str, seed: int, repeat: bool,
+                 weights: Sequence[float]) -> dict[str, Any]:
+    return {
         "sources": list(cfg.sources),
-        "weights": list(cfg.mixture_weights),
+        "weights": list(weights),
         "text_field": cfg.text_field,
         "tokenizer": repr(tokenizer),
         "vocab_size": tokenizer.vocab_size,
@@ -376,10 +379,116 @@ def make_iterator(
         "long_documents": cfg.long_documents,
         "num_workers": cfg.num_workers,
         "split": split,
-        "seed": cfg.shuffle_seed if seed is None else seed,
+        "seed": seed,
         "repeat": repeat,
     }
-    return DataIterator(ds, fingerprint)
+
+
+class StagedIterator:
+    """Endless batches whose source mixture changes at given batch counts (``DataConfig.stages``).
+
+    Stage k (start step s_k, weights w_k) is a ``DataIterator`` over the mixture w_k with its own
+    seed (stage 0 keeps the run's seed, so a config without stages is unchanged); it opens when
+    the s_k-th batch is drawn. ``get_state`` / ``set_state`` record the batch count, the stage and
+    the position inside the stage, so a resumed run continues with the very batches it would have
+    drawn. Same interface as ``DataIterator``.
+    """
+
+    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, split: str, seed: int):
+        self._cfg, self._tokenizer, self._split, self._seed = cfg, tokenizer, split, seed
+        self._stages = cfg.stage_weights
+        self._batches = 0
+        self._stage = 0
+        self._it: DataIterator | None = self._open(0)
+
+    def _open(self, k: int) -> DataIterator:
+        seed = self._seed if k == 0 else _derive_seed(self._seed, 4, k)
+        weights = self._stages[k][1]
+        ds = make_dataset(self._cfg, self._tokenizer, split=self._split, seed=seed, weights=weights)
+        return DataIterator(ds, _fingerprint(self._cfg, self._tokenizer, self._split, seed, True, weights))
+
+    @property
+    def stage(self) -> int:
+        """Index of the stage of the last batch drawn (0 before any)."""
+        return self._stage
+
+    def __iter__(self) -> StagedIterator:
+        return self
+
+    def __enter__(self) -> StagedIterator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        it = self._iterator()
+        k = self._stage
+        while k + 1 < len(self._stages) and self._batches >= self._stages[k + 1][0]:
+            k += 1
+        if k != self._stage:
+            it.close()
+            self._stage, self._it = k, self._open(k)
+            it = self._it
+        batch = next(it)
+        self._batches += 1
+        return batch
+
+    def get_state(self) -> dict[str, Any]:
+        return {
+            "format": STATE_FORMAT,
+            "stages": [[s, list(w)] for s, w in self._stages],
+            "batches": self._batches,
+            "stage": self._stage,
+            "inner": self._iterator().get_state(),
+        }
+
+    def set_state(self, state: Mapping[str, Any]) -> None:
+        if not isinstance(state, Mapping) or "stages" not in state or "inner" not in state:
+            raise ValueError(
+                "data iterator state is not from a staged iterator (DataConfig.stages); resume "
+                "with the data config the run was saved with"
+            )
+        mine = _jsonable([[s, list(w)] for s, w in self._stages])
+        if _jsonable(state["stages"]) != mine:
+            raise ValueError(
+                f"data iterator state was saved with stages {state['stages']!r}, the config now has "
+                f"{mine!r}; resume with the same DataConfig.stages"
+            )
+        k = int(state["stage"])
+        self.close()
+        self._it = self._open(k)
+        self._it.set_state(state["inner"])
+        self._stage, self._batches = k, int(state["batches"])
+
+    def close(self) -> None:
+        if self._it is not None:
+            self._it.close()
+            self._it = None
+
+    def _iterator(self) -> DataIterator:
+        if self._it is None:
+            raise ValueError("StagedIterator is closed; make a new one (and set_state) to continue")
+        return self._it
+
+
+def make_iterator(
+    cfg: DataConfig,
+    tokenizer: Tokenizer,
+    split: str = "train",
+    seed: int | None = None,
+    repeat: bool = True,
+) -> DataIterator | StagedIterator:
+    """A ``DataIterator`` over ``split``: endless when ``repeat``, else one deterministic pass.
+
+    With ``cfg.stages`` an endless iterator is a ``StagedIterator`` (the mixture follows the
+    stages); a finite pass is the same either way (every document of every source, once).
+    """
+    seed = cfg.shuffle_seed if seed is None else seed
+    if repeat and cfg.stages:
+        return StagedIterator(cfg, tokenizer, split, seed)
+    ds = make_dataset(cfg, tokenizer, split=split, seed=seed, num_epochs=None if repeat else 1)
+    return DataIterator(ds, _fingerprint(cfg, tokenizer, split, seed, repeat, cfg.mixture_weights))
 
 
 def batches_of(iterator: DataIterator, n: int) -> Sequence[dict[str, np.ndarray]]:

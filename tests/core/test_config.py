@@ -29,6 +29,12 @@ def test_overrides_parse_by_field_type():
     assert cfg.model.head_dim is None
     # untouched fields keep the preset's values
     assert cfg.data.seq_len == load_preset("configs/tiny.py").data.seq_len
+    # nested tuples (data.stages) are YAML flow lists; () and [] both work
+    cfg = load_config("configs/tiny.py", ["data.sources=embedded,synthetic:copy", "data.weights=1,0",
+                                          "data.stages=[[10, [1, 1]], (20, (0.5, 1))]"])
+    assert cfg.data.stages == ((10, (1.0, 1.0)), (20, (0.5, 1.0)))
+    with pytest.raises(ConfigError, match=r"data.stages\[0\]=\[10\]: expected 2 entries"):
+        load_config("configs/tiny.py", ["data.sources=embedded,synthetic:copy", "data.stages=[[10]]"])
 
 
 def test_unknown_key_names_it_and_suggests():

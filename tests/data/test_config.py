@@ -13,6 +13,10 @@ def test_defaults_and_coercion():
     assert cfg.mixture_weights == (0.25, 0.75)
     assert DataConfig(sources=("a", "b")).mixture_weights == (0.5, 0.5)
     hash(cfg)
+    staged = DataConfig(sources=["a", "b"], weights=[1, 0], stages=[[100, [1, 3]], (250, (0, 2))])
+    assert staged.stages == ((100, (1, 3)), (250, (0, 2)))
+    assert staged.stage_weights == ((0, (1.0, 0.0)), (100, (0.25, 0.75)), (250, (0.0, 1.0)))
+    hash(staged)
 
 
 @pytest.mark.parametrize(
@@ -22,8 +26,18 @@ def test_defaults_and_coercion():
         ({"sources": "embedded"}, r"DataConfig.sources='embedded' must be a tuple.*\('embedded',\)"),
         ({"sources": ("embedded", "")}, r"sources contains ''"),
         ({"weights": (1.0, 2.0)}, r"DataConfig.weights=\(1.0, 2.0\) has 2 entries but there are 1 sources"),
-        ({"sources": ("a", "b"), "weights": (1.0, -1.0)}, r"finite number > 0, got -1.0"),
-        ({"sources": ("a", "b"), "weights": (1.0, float("nan"))}, r"finite number > 0, got nan"),
+        ({"sources": ("a", "b"), "weights": (1.0, -1.0)}, r"finite number >= 0, got -1.0"),
+        ({"sources": ("a", "b"), "weights": (1.0, float("nan"))}, r"finite number >= 0, got nan"),
+        ({"sources": ("a", "b"), "weights": (0, 0.0)}, r"at least one weight must be > 0"),
+        ({"sources": ("a", "b"), "weights": (1, 0)}, r"give sources \['b'\] weight 0 and there are no stages"),
+        ({"sources": ("a", "b"), "weights": (1, 0), "stages": ((10, (2, 0)),)},
+         r"sources \['b'\] have weight 0 in every stage"),
+        ({"sources": ("a", "b"), "stages": ((0, (1, 1)),)}, r"stages\[0\] starts at step 0; .* > 0 and increasing"),
+        ({"sources": ("a", "b"), "stages": ((5, (1, 1)), (5, (1, 2)))},
+         r"stages\[1\] starts at step 5; .*\(the previous stage starts at 5\)"),
+        ({"sources": ("a", "b"), "stages": ((5, (1, 1, 1)),)}, r"stages\[0\] weights=\(1, 1, 1\) has 3 entries"),
+        ({"sources": ("a", "b"), "stages": ((5,),)}, r"stages\[0\]=\(5,\) must be a pair \(start_step, weights\)"),
+        ({"sources": ("a", "b"), "stages": "late"}, r"must be a tuple of \(start_step, weights\) pairs"),
         ({"text_field": ""}, r"DataConfig.text_field='' must be a non-empty string"),
         ({"tokenizer": ""}, r"DataConfig.tokenizer='' must be 'byte' or a path"),
         ({"seq_len": 0}, r"DataConfig.seq_len=0 must be an integer >= 1"),

@@ -195,6 +195,54 @@ def test_mixture_follows_weights(tmp_path, monkeypatch):
             np.testing.assert_array_equal(got[k], w[k])
 
 
+@pytest.mark.parametrize("resume_at", [2, 3, 5])
+def test_stages_switch_the_mixture_and_resume_across_a_boundary(tmp_path, monkeypatch, resume_at):
+    from aiinfra_jax.data import StagedIterator, pipeline
+
+    monkeypatch.setattr(pipeline, "SHUFFLE_WINDOW", 64)
+    rng = np.random.default_rng()
+    paths = [_write_jsonl(tmp_path / f"{c}.jsonl", [c * int(n) for n in rng.integers(1, 10, 30)])
+             for c in "abc"]
+    # Batches 0-2: only a; 3-4: only b; from 5: b and c.
+    cfg = DataConfig(sources=tuple(paths), weights=(1, 0, 0), stages=((3, (0, 1, 0)), (5, (0, 1, 1))),
+                     seq_len=16, batch_size=4, val_fraction=0.0)
+
+    def letters(batch):
+        return {chr(p[1]) for p in _check_batch_and_get_pieces(batch, 4, 16)}
+
+    it = make_iterator(cfg, TOK, "train", seed=1)
+    assert isinstance(it, StagedIterator)
+    seen = [letters(next(it)) for _ in range(8)]
+    assert seen[:3] == [{"a"}] * 3 and seen[3:5] == [{"b"}] * 2, seen
+    assert set().union(*seen[5:]) == {"b", "c"} and it.stage == 2
+
+    it = make_iterator(cfg, TOK, "train", seed=1)
+    for _ in range(resume_at):
+        next(it)
+    state = json.loads(json.dumps(it.get_state()))
+    want = [next(it) for _ in range(3)]
+    resumed = make_iterator(cfg, TOK, "train", seed=1)
+    resumed.set_state(state)
+    for w in want:
+        got = next(resumed)
+        for k in BATCH_KEYS:
+            np.testing.assert_array_equal(got[k], w[k])
+
+    moved = DataConfig(sources=tuple(paths), weights=(1, 0, 0), stages=((4, (0, 1, 0)), (5, (0, 1, 1))),
+                       seq_len=16, batch_size=4, val_fraction=0.0)
+    with pytest.raises(ValueError, match="saved with stages .* resume with the same DataConfig.stages"):
+        make_iterator(moved, TOK, "train", seed=1).set_state(state)
+    plain = make_iterator(DataConfig(sources=tuple(paths), seq_len=16, batch_size=4), TOK, "train")
+    with pytest.raises(ValueError, match="expected a dict from DataIterator.get_state"):
+        plain.set_state(state)
+    with pytest.raises(ValueError, match="not from a staged iterator"):
+        make_iterator(cfg, TOK, "train", seed=1).set_state(plain.get_state())
+    # A finite pass ignores the stages: every document of every source once.
+    pieces = [p for b in make_iterator(cfg, TOK, "train", repeat=False)
+              for p in _check_batch_and_get_pieces(b, 4, 16)]
+    assert {chr(p[1]) for p in pieces} == {"a", "b", "c"}
+
+
 def test_pretokenized_documents_keep_their_loss_weights(tmp_path):
     from aiinfra_jax.data import sources as S
 
