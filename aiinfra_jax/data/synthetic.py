@@ -6,7 +6,7 @@
 mqar, variable_tracking) or a group ("niah": the eight NIAH variants in turn, "all": every task in
 turn). Document i is the task's example with seed 2**40 + seed * 2**32 + i (never an evaluation
 seed), at a length drawn uniformly from [min_length, max_length] and a depth drawn uniformly from
-[0, 1], pre-tokenised as ``[BOS] + prompt + answer + [EOS]``, with loss weight ``answer_weight`` on
+[min_depth, max_depth] (default [0, 1]), pre-tokenised as ``[BOS] + prompt + answer + [EOS]``, with loss weight ``answer_weight`` on
 the answer and EOS (and on the recalled values of MQAR's inline queries) and ``context_weight``
 elsewhere. Every document fits one row (at most seq_len + 1 tokens), so question and answer are
 never cut apart.
@@ -17,6 +17,10 @@ Options (comma-separated key=value after a second colon):
   seed            base seed (default 0)
   min_length      shortest prompt in tokens (default: the task's minimum, at least 64)
   max_length      longest prompt in tokens (default: data.seq_len minus the answer)
+  min_depth       shallowest needle depth, 0 = start of the haystack (default 0.0)
+  max_depth       deepest needle depth, 1 = just before the question (default 1.0); with
+                  ``data.stages``, a depth range that widens from 1 is a curriculum over the
+                  distance between a needle and its question
   context_weight  loss weight of prompt tokens (default 0.0)
   answer_weight   loss weight of the answer tokens and EOS (default 1.0)
 Any other key=value goes to the task's generator as a keyword option (an int where the value is
@@ -46,7 +50,7 @@ from aiinfra_jax.data.tokenizer import load_tokenizer
 # so no evaluation example (for any seed < 10**6) is ever a training document.
 TRAIN_SEED_BASE = 2**40
 _INT_OPTIONS = ("n", "seed", "min_length", "max_length")
-_FLOAT_OPTIONS = ("context_weight", "answer_weight")
+_FLOAT_OPTIONS = ("context_weight", "answer_weight", "min_depth", "max_depth")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +61,8 @@ class SyntheticOptions:
     max_length: int = 0  # 0 = seq_len minus the answer
     context_weight: float = 0.0
     answer_weight: float = 1.0
+    min_depth: float = 0.0
+    max_depth: float = 1.0
     task_options: tuple[tuple[str, int | float], ...] = ()  # keyword options of the generator
 
     def __post_init__(self):
@@ -69,6 +75,9 @@ class SyntheticOptions:
             v = getattr(self, name)
             if not math.isfinite(v) or v < 0:
                 raise ValueError(f"synthetic source option {name}={v!r} must be a finite number >= 0")
+        if not 0.0 <= self.min_depth <= self.max_depth <= 1.0:
+            raise ValueError(f"synthetic source options min_depth={self.min_depth!r}, max_depth="
+                             f"{self.max_depth!r} must satisfy 0 <= min_depth <= max_depth <= 1")
         if self.answer_weight == 0 and self.context_weight == 0:
             raise ValueError("synthetic source: answer_weight and context_weight are both 0, so "
                              "nothing would be trained on")
@@ -174,7 +183,7 @@ class SyntheticSource:
         lo = self.min_length[task]
         hi = max(lo, self.options.max_length or self.seq_len)
         length = int(rng.integers(lo, hi + 1))
-        depth = float(rng.uniform())
+        depth = float(rng.uniform(self.options.min_depth, self.options.max_depth))
         seed = TRAIN_SEED_BASE + self.options.seed * 2**32 + index
         try:
             ex = self._make(task, length, depth, seed)

@@ -178,6 +178,21 @@ def test_synthetic_generator_options_reach_the_generator():
     assert np.sum(dense[i]["loss_weights"] > 0) > np.sum(plain[i]["loss_weights"] > 0)
 
 
+def test_synthetic_depth_range():
+    cfg = DataConfig(tokenizer="byte", seq_len=512)
+    src = open_source("synthetic:copy:min_depth=0.9,max_depth=1.0", cfg)
+    for i in np.random.default_rng().integers(len(src), size=5):
+        ex = src.example(int(i))
+        assert 0.9 <= ex.depth <= 1.0
+        # the needle ends within one filler sentence of the question
+        needle_end = ex.needle_offsets[0] + len(TOK.encode(ex.needles[0]))
+        assert ex.haystack_span[1] - needle_end <= 0.1 * ex.haystack_tokens + ex.max_sentence_tokens
+    assert {src.example(i).depth for i in range(3)} != {1.0}
+    assert open_source("synthetic:copy:min_depth=1", cfg).example(7).depth == 1.0
+    with pytest.raises(ValueError, match="0 <= min_depth <= max_depth <= 1"):
+        parse_spec("synthetic:copy:min_depth=0.8,max_depth=0.5")
+
+
 def test_data_package_does_not_import_eval():
     code = ("import sys, aiinfra_jax.data; "
             "print(any(m.startswith('aiinfra_jax.eval') for m in sys.modules))")
