@@ -40,6 +40,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "head_dim": (),
     "layers": (),
     "norm": (),
+    "conv_width": (),
 }
 
 

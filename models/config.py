@@ -139,6 +139,10 @@ class ModelConfig:
     # float16 compute when the shapes allow it (falling back to XLA with a logged warning if cuDNN
     # cannot trace), XLA otherwise; "xla" or "cudnn" force one ("cudnn" raises where unavailable).
     attention_impl: str | None = None
+    # Width W of a causal depthwise convolution (with a residual) on every mixer's input; 0 = off.
+    # Gives attention the previous tokens directly, so induction / recall circuits form in one
+    # layer (models/short_conv.py). fla's linear-attention layers and Canon layers use W = 4.
+    short_conv: int = 0
 
     def __post_init__(self):
         # Lists from YAML / CLI overrides become tuples so the config stays hashable.
@@ -204,6 +208,10 @@ class ModelConfig:
             self._fail("remat", f"must be one of {remat_choices()}")
         if self.attention_impl not in ATTENTION_IMPLS:
             self._fail("attention_impl", f"must be one of {ATTENTION_IMPLS}")
+        if not isinstance(self.short_conv, int) or isinstance(self.short_conv, bool) \
+                or self.short_conv < 0:
+            self._fail("short_conv", "must be an int >= 0 (the kernel width; 0 = no convolution, "
+                       "4 is the usual choice)")
         for name in ("tie_embeddings", "scan_layers"):
             if not isinstance(getattr(self, name), bool):
                 self._fail(name, "must be True or False")

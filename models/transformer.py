@@ -3,7 +3,9 @@
 Shape letters: B batch, T sequence (new tokens), D d_model, V vocabulary, R block repeats
 (n_layers / P), P layers per block (lcm of len(mixers), len(ffns)).
 
-A layer is (residual scheme, RMSNorm + mixer, RMSNorm + FFN). A block holds P layers with the
+A layer is (residual scheme, RMSNorm + [short convolution] + mixer, RMSNorm + FFN); with
+cfg.short_conv > 0 a layer's cache is {"mixer": the mixer's cache, "conv": the convolution's last
+inputs}, else it is the mixer's cache itself. A block holds P layers with the
 mixer/FFN pattern of the config; the block is repeated R times. With cfg.scan_layers the R blocks
 are one module whose parameters carry a leading "layers" axis of size R, run by jax.lax.scan (the
 module is split into graphdef/state and merged inside the scan body), so compile time does not grow
@@ -25,6 +27,7 @@ from flax import nnx
 from .config import ModelConfig
 from .layers import Embedding, OutputHead, RMSNorm
 from .registry import get_ffn, get_mixer, get_residual
+from .short_conv import ShortConv
 
 Aux = dict[str, jax.Array]
 
@@ -37,19 +40,35 @@ class Layer(nnx.Module):
         self.ffn_name = cfg.ffns[index % len(cfg.ffns)]
         self.residual = get_residual(cfg.residual)(cfg, rngs=rngs)
         self.mixer_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
+        self.short_conv = ShortConv(cfg, rngs=rngs) if cfg.short_conv else None
         self.mixer = get_mixer(self.mixer_name)(cfg, rngs=rngs)
         self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
         self.ffn = get_ffn(self.ffn_name)(cfg, rngs=rngs)
 
     def __call__(self, carry: Any, cache: Any, *, positions: jax.Array,
                  segment_ids: jax.Array | None) -> tuple[Any, Any, Aux]:
-        h = self.residual.sublayer_input(carry, 0)
-        y, new_cache = self.mixer(self.mixer_norm(h), positions=positions,
-                                  segment_ids=segment_ids, cache=cache)
+        h = self.mixer_norm(self.residual.sublayer_input(carry, 0))
+        if self.short_conv is not None:
+            h, conv_state = self.short_conv(h, segment_ids=segment_ids,
+                                            state=None if cache is None else cache["conv"])
+            cache = None if cache is None else cache["mixer"]
+        y, new_cache = self.mixer(h, positions=positions, segment_ids=segment_ids, cache=cache)
+        if self.short_conv is not None and new_cache is not None:
+            new_cache = {"mixer": new_cache, "conv": conv_state}
         carry = self.residual.update(carry, y, 0)
         h = self.residual.sublayer_input(carry, 1)
         carry = self.residual.update(carry, self.ffn(self.ffn_norm(h)), 1)
         return carry, new_cache, {}
+
+    def init_cache(self, batch: int, max_len: int, dtype: Any) -> Any:
+        mixer_cache = self.mixer.init_cache(batch, max_len, dtype)
+        if self.short_conv is None:
+            return mixer_cache
+        return {"mixer": mixer_cache, "conv": self.short_conv.init_state(batch, dtype)}
+
+    def flops_per_token(self, seq_len: int) -> float:
+        conv = 0.0 if self.short_conv is None else self.short_conv.flops_per_token()
+        return conv + self.mixer.flops_per_token(seq_len) + self.ffn.flops_per_token()
 
 
 class Block(nnx.Module):
@@ -294,15 +313,14 @@ class Transformer(nnx.Module):
         reps = self.cfg.n_repeats
         caches = []
         for layer in self._block_template().layers:
-            one = layer.mixer.init_cache(batch, max_len, dtype or self.cfg.dtype)
+            one = layer.init_cache(batch, max_len, dtype or self.cfg.dtype)
             caches.append(jax.tree.map(lambda a: jnp.broadcast_to(a, (reps,) + a.shape), one))
         return tuple(caches)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Forward FLOPs per token: every matmul (including the output head) plus the mixers'
         attention terms at context length seq_len. Multiply by 3 for forward + backward."""
-        per_block = sum(layer.mixer.flops_per_token(seq_len) + layer.ffn.flops_per_token()
-                        for layer in self._block_template().layers)
+        per_block = sum(layer.flops_per_token(seq_len) for layer in self._block_template().layers)
         head = 2.0 * self.cfg.d_model * self.cfg.vocab_size
         return self.cfg.n_repeats * per_block + head
 
