@@ -9,7 +9,13 @@ step that passkey, MQAR and the NIAH values then reuse. It is also a task of its
 (exact match).
 
 Letters: L prompt tokens, C = ``num_chars`` characters of the string (lowercase letters and digits,
-so that one character rarely identifies its position and the copy must follow the string).
+so that one character rarely identifies its position and the copy must follow the string), R =
+``repeats`` (default 1).
+
+``repeats=R > 1`` (a training option, ``synthetic:copy:repeats=4``) hides the string R times: the
+needle at ``depth`` and R - 1 more at random depths. Every occurrence after the first in the prompt
+is marked in ``extra_weighted``, so a training document carries R copies to learn from instead of
+one, all at different distances (the answer still repeats it once more).
 """
 
 from __future__ import annotations
@@ -26,14 +32,23 @@ ALPHABET = string.ascii_lowercase + string.digits
 
 
 def copy_example(tokenizer: Any, task: str, length: int, depth: float, seed: int, *,
-                 num_chars: int = 32) -> Example:
+                 num_chars: int = 32, repeats: int = 1) -> Example:
     """One copy example of exactly ``length`` prompt tokens with its string at ``depth``."""
     if not isinstance(num_chars, int) or num_chars < 1:
         raise ValueError(f"copy: num_chars={num_chars!r} must be an int >= 1")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"copy: repeats={repeats!r} must be an int >= 1")
     depth = check_depth(task, depth)
     rng = example_rng(task, seed)
     secret = "".join(ALPHABET[i] for i in rng.integers(0, len(ALPHABET), size=num_chars))
-    needle = hs.Needle(f"The secret string is: {secret}.", depth)
+    text = f"The secret string is: {secret}."
+    needles = [hs.Needle(text, depth)] + [hs.Needle(text, float(d))
+                                          for d in rng.uniform(size=repeats - 1)]
     sentences = hs.sentence_source(tokenizer, "noise", rng)
-    assembled = hs.assemble(tokenizer, task, length, PREFIX, [needle], SUFFIX, sentences)
-    return make_example(tokenizer, task, length, depth, seed, assembled, [secret], [needle.text])
+    assembled = hs.assemble(tokenizer, task, length, PREFIX, needles, SUFFIX, sentences)
+    lead = hs.encode(tokenizer, "The secret string is: ").size
+    width = hs.encode(tokenizer, secret).size
+    starts = sorted(off + lead for off in assembled.needle_offsets)
+    spans = tuple((s, s + width) for s in starts[1:])  # every occurrence after the first
+    return make_example(tokenizer, task, length, depth, seed, assembled, [secret],
+                        [n.text for n in needles], extra_weighted=spans)

@@ -178,6 +178,22 @@ def test_synthetic_generator_options_reach_the_generator():
     assert np.sum(dense[i]["loss_weights"] > 0) > np.sum(plain[i]["loss_weights"] > 0)
 
 
+def test_copy_repeats_mark_every_later_occurrence():
+    from aiinfra_jax.eval.tasks.copy import copy_example
+
+    seed = int(np.random.default_rng().integers(1 << 30))
+    ex = copy_example(TOK, "copy", 420, 0.4, seed, num_chars=24, repeats=4)
+    secret = ex.answers[0]
+    text = TOK.decode(ex.prompt_tokens)
+    assert text.count(secret) == 4 and len(ex.extra_weighted) == 3
+    first = text.index(secret)
+    for start, end in ex.extra_weighted:
+        assert TOK.decode(ex.prompt_tokens[start:end]) == secret and start > first
+    assert copy_example(TOK, "copy", 420, 0.4, seed, num_chars=24).extra_weighted == ()
+    with pytest.raises(ValueError, match="repeats=0 must be an int >= 1"):
+        copy_example(TOK, "copy", 420, 0.4, seed, repeats=0)
+
+
 def test_synthetic_depth_range():
     cfg = DataConfig(tokenizer="byte", seq_len=512)
     src = open_source("synthetic:copy:min_depth=0.9,max_depth=1.0", cfg)
