@@ -324,6 +324,11 @@ def train(cfg: Config, *, stop_after: int | None = None, quiet: bool = False) ->
     else:
         state = trainer.init_state()
         say(f"new run in {run_dir}")
+    if cfg.data.stages:
+        say("data stages: " + "; ".join(
+            f"from step {start + 1}: " + ", ".join(f"{src} {w:.2f}" for src, w in
+                                               zip(cfg.data.sources, weights) if w > 0)
+            for start, weights in cfg.data.stage_weights))
     jtrain, jeval = trainer.compiled_steps()
 
     n_params = sum(x.size for x in jax.tree.leaves(state["params"]))

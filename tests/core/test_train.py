@@ -68,6 +68,20 @@ def test_stopped_and_resumed_run_matches_uninterrupted(tmp_path):
         assert b[step] == a[step], (step, a[step], b[step])
 
 
+def test_staged_mixture_resumes_across_its_boundary(tmp_path):
+    """A data curriculum (data.stages): stopped at step 3, resumed, the losses equal an
+    uninterrupted run's, through the switch of mixture after batch 4."""
+    doc = tmp_path / "letters.jsonl"
+    doc.write_text("".join(json.dumps({"text": "abcabc" * (i + 1)}) + "\n" for i in range(200)))
+    common = ["run.steps=8", "run.log_every=1", "checkpoint.every=0",
+              f"data.sources=embedded,{doc}", "data.weights=1,0", "data.stages=[[4, [1, 3]]]"]
+    full = train(tiny(tmp_path / "a", *common), quiet=True)
+    part = train(tiny(tmp_path / "b", *common), stop_after=3, quiet=True)
+    rest = train(tiny(tmp_path / "b", *common), quiet=True)
+    a, b = losses(full), {**losses(part), **losses(rest)}
+    assert sorted(b) == list(range(1, 9)) and all(a[k] == b[k] for k in a), (a, b)
+
+
 def test_sharded_run_matches_single_device(tmp_path):
     common = ["run.steps=3", "run.log_every=1", "checkpoint.every=0", "optim.grad_accum=2"]
     one = train(tiny(tmp_path / "one", *common, "mesh.num_devices=1"), quiet=True)
