@@ -12,10 +12,8 @@ Letters: L prompt tokens, C = ``num_chars`` characters of the string (lowercase 
 so that one character rarely identifies its position and the copy must follow the string), R =
 ``repeats`` (default 1).
 
-``repeats=R > 1`` (a training option, ``synthetic:copy:repeats=3``) hides the string R times: the
-needle at ``depth`` and R - 1 more spread evenly around the haystack from it (with jitter; give
-the haystack room for them with the source's ``min_length``, or copies can still end up
-adjacent). Every occurrence after the first in the prompt
+``repeats=R > 1`` (a training option, ``synthetic:copy:repeats=4``) hides the string R times: the
+needle at ``depth`` and R - 1 more at random depths. Every occurrence after the first in the prompt
 is marked in ``extra_weighted``, so a training document carries R copies to learn from instead of
 one, all at different distances (the answer still repeats it once more).
 """
@@ -24,8 +22,6 @@ from __future__ import annotations
 
 import string
 from typing import Any
-
-import numpy as np
 
 from aiinfra_jax.eval.tasks import haystack as hs
 from aiinfra_jax.eval.tasks.common import Example, check_depth, example_rng, make_example
@@ -46,11 +42,8 @@ def copy_example(tokenizer: Any, task: str, length: int, depth: float, seed: int
     rng = example_rng(task, seed)
     secret = "".join(ALPHABET[i] for i in rng.integers(0, len(ALPHABET), size=num_chars))
     text = f"The secret string is: {secret}."
-    # The extra copies spread evenly around the haystack from ``depth`` (with jitter), so that no
-    # two land on the same sentence boundary: back-to-back copies sit at one fixed offset and teach
-    # a positional shortcut (attend 56 bytes back) instead of the content match the tasks need.
-    spread = (depth + (np.arange(1, repeats) + rng.uniform(-0.25, 0.25, repeats - 1)) / repeats) % 1.0
-    needles = [hs.Needle(text, depth)] + [hs.Needle(text, float(d)) for d in spread]
+    needles = [hs.Needle(text, depth)] + [hs.Needle(text, float(d))
+                                          for d in rng.uniform(size=repeats - 1)]
     sentences = hs.sentence_source(tokenizer, "noise", rng)
     assembled = hs.assemble(tokenizer, task, length, PREFIX, needles, SUFFIX, sentences)
     lead = hs.encode(tokenizer, "The secret string is: ").size
