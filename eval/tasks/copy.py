@@ -13,9 +13,12 @@ so that one character rarely identifies its position and the copy must follow th
 ``repeats`` (default 1).
 
 ``repeats=R > 1`` (a training option, ``synthetic:copy:repeats=4``) hides the string R times: the
-needle at ``depth`` and R - 1 more at random depths. Every occurrence after the first in the prompt
-is marked in ``extra_weighted``, so a training document carries R copies to learn from instead of
-one, all at different distances (the answer still repeats it once more).
+needle at ``depth`` and R - 1 more at uniform random depths. Every occurrence after the first in
+the prompt is marked in ``extra_weighted``, so a training document carries R copies to learn from
+instead of one, all at different distances (the answer still repeats it once more). Copies that
+land on the same sentence boundary sit back to back, at a fixed offset: they are learned first, and
+in the long-context preset this easy rung is what got retrieval going (eval/BENCHMARKS.md, issue
+5: forcing the copies apart made stage 0 learn nothing).
 """
 
 from __future__ import annotations
