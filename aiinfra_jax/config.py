@@ -15,6 +15,7 @@ The model and data sections live beside the code they configure (`aiinfra_jax.mo
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import difflib
 import importlib.util
@@ -247,7 +248,17 @@ def _coerce(tp, value, key: str, current=None):
                 raise ConfigError(f"{key}={value!r}: expected a nested list, e.g. [[500, [1, 0]]] "
                                   f"({e})") from e
         elif isinstance(value, str):
-            value = [v.strip() for v in value.strip("()[]").split(",") if v.strip()]
+            # Comma-separated; an entry that itself holds commas goes in double quotes:
+            # data.sources=embedded,"synthetic:copy:repeats=5,num_chars=64".
+            body = value.strip()
+            if body[:1] + body[-1:] in ("()", "[]"):
+                body = body[1:-1]
+            try:
+                rows = list(csv.reader([body], skipinitialspace=True, strict=True))
+            except csv.Error as e:
+                raise ConfigError(f"{key}={value!r}: cannot split into a list ({e}); separate "
+                                  'entries with commas and quote one with commas inside: a,"b,c"') from e
+            value = [v.strip() for v in (rows[0] if rows else []) if v.strip()]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}={value!r}: expected a list ({_type_name(tp)}), e.g. a,b,c")
         if args and args[-1] is not Ellipsis:  # fixed length: tuple[int, str]

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Self
 
 import grain
 import grain.experimental as grain_exp
@@ -292,7 +292,38 @@ def _jsonable(state: Any) -> Any:
     return json.loads(json.dumps(state, default=default))
 
 
-class DataIterator:
+class _Resumable:
+    """What ``DataIterator`` and ``StagedIterator`` share: iteration, ``with`` and ``close`` over
+    the iterator they hold in ``self._it`` (None once closed)."""
+
+    _it: Any
+
+    def __iter__(self) -> Self:
+        return self
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stops worker processes (only started when ``num_workers > 0``)."""
+        if self._it is None:
+            return
+        close = getattr(self._it, "close", None)
+        if close is not None:
+            close()
+        self._it = None  # Let grain's iterators go now rather than at interpreter shutdown.
+
+    def _iterator(self) -> Any:
+        if self._it is None:
+            raise ValueError(
+                f"{type(self).__name__} is closed; make a new one (and set_state) to continue")
+        return self._it
+
+
+class DataIterator(_Resumable):
     """An iterator over batches whose position can be saved and restored exactly.
 
     ``get_state()`` returns a JSON-serialisable dict (store it in a checkpoint);
@@ -306,15 +337,6 @@ class DataIterator:
         self._fingerprint = _jsonable(dict(fingerprint))
         self._it = iter(dataset)
         self._copy = bool(self._fingerprint.get("num_workers", 0))
-
-    def __iter__(self) -> DataIterator:
-        return self
-
-    def __enter__(self) -> DataIterator:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __next__(self) -> dict[str, np.ndarray]:
         batch = next(self._iterator())
@@ -350,21 +372,6 @@ class DataIterator:
             )
         self._iterator().set_state(state["grain"])
 
-    def close(self) -> None:
-        """Stops worker processes (only started when ``num_workers > 0``)."""
-        if self._it is None:
-            return
-        close = getattr(self._it, "close", None)
-        if close is not None:
-            close()
-        self._it = None  # Let grain's iterators go now rather than at interpreter shutdown.
-
-    def _iterator(self) -> Any:
-        if self._it is None:
-            raise ValueError("DataIterator is closed; make a new one (and set_state) to continue")
-        return self._it
-
-
 def _fingerprint(cfg: DataConfig, tokenizer: Tokenizer, split: str, seed: int, repeat: bool,
                  weights: Sequence[float]) -> dict[str, Any]:
     return {
@@ -384,7 +391,7 @@ def _fingerprint(cfg: DataConfig, tokenizer: Tokenizer, split: str, seed: int, r
     }
 
 
-class StagedIterator:
+class StagedIterator(_Resumable):
     """Endless batches whose source mixture changes at given batch counts (``DataConfig.stages``).
 
     Stage k (start step s_k, weights w_k) is a ``DataIterator`` over the mixture w_k with its own
@@ -411,15 +418,6 @@ class StagedIterator:
     def stage(self) -> int:
         """Index of the stage of the last batch drawn (0 before any)."""
         return self._stage
-
-    def __iter__(self) -> StagedIterator:
-        return self
-
-    def __enter__(self) -> StagedIterator:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __next__(self) -> dict[str, np.ndarray]:
         it = self._iterator()
@@ -460,17 +458,6 @@ class StagedIterator:
         self._it = self._open(k)
         self._it.set_state(state["inner"])
         self._stage, self._batches = k, int(state["batches"])
-
-    def close(self) -> None:
-        if self._it is not None:
-            self._it.close()
-            self._it = None
-
-    def _iterator(self) -> DataIterator:
-        if self._it is None:
-            raise ValueError("StagedIterator is closed; make a new one (and set_state) to continue")
-        return self._it
-
 
 def make_iterator(
     cfg: DataConfig,

@@ -35,6 +35,13 @@ def test_overrides_parse_by_field_type():
     assert cfg.data.stages == ((10, (1.0, 1.0)), (20, (0.5, 1.0)))
     with pytest.raises(ConfigError, match=r"data.stages\[0\]=\[10\]: expected 2 entries"):
         load_config("configs/tiny.py", ["data.sources=embedded,synthetic:copy", "data.stages=[[10]]"])
+    # a list entry holding commas (a source with two options) goes in double quotes
+    cfg = load_config("configs/tiny.py", ['data.sources=embedded, "synthetic:copy:repeats=5,num_chars=8"',
+                                          "data.weights=[0.5, 0.5]"])
+    assert cfg.data.sources == ("embedded", "synthetic:copy:repeats=5,num_chars=8")
+    assert cfg.data.weights == (0.5, 0.5)
+    with pytest.raises(ConfigError, match="quote one with commas inside"):
+        load_config("configs/tiny.py", ['data.sources=embedded,"synthetic:copy'])
 
 
 def test_unknown_key_names_it_and_suggests():
