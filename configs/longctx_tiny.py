@@ -63,8 +63,8 @@ CONFIG = Config(
         tokenizer="byte", seq_len=512, batch_size=8),
     optim=OptimConfig(lr=4e-3, warmup_steps=100, schedule="cosine", weight_decay=0.1),
     checkpoint=CheckpointConfig(every=500, keep=2),
-    eval=EvalConfig(every=750, batches=4, final_batches=16, longctx_every=750,
+    eval=EvalConfig(every=1000, batches=4, final_batches=16, longctx_every=1000,
                     longctx_tasks=("niah", "passkey", "mqar", "copy"),
                     longctx_depths=(0.0, 0.5, 1.0), longctx_samples=1),
-    run=RunConfig(name="longctx_tiny", steps=1500, log_every=25),
+    run=RunConfig(name="longctx_tiny", steps=3000, log_every=25),
 )
