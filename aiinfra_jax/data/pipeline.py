@@ -372,6 +372,7 @@ class DataIterator(_Resumable):
             )
         self._iterator().set_state(state["grain"])
 
+
 def _fingerprint(cfg: DataConfig, tokenizer: Tokenizer, split: str, seed: int, repeat: bool,
                  weights: Sequence[float]) -> dict[str, Any]:
     return {
@@ -458,6 +459,7 @@ class StagedIterator(_Resumable):
         self._it = self._open(k)
         self._it.set_state(state["inner"])
         self._stage, self._batches = k, int(state["batches"])
+
 
 def make_iterator(
     cfg: DataConfig,
