@@ -174,11 +174,13 @@ def _model(cfg=CFG):
     return Transformer(cfg, rngs=nnx.Rngs(0))
 
 
-def test_prefill_then_decode_equals_forward():
+@pytest.mark.parametrize("separate_kv", [True, False])
+def test_prefill_then_decode_equals_forward(separate_kv):
     """Right-padded prompts of lengths 5 and 13 prefilled in chunks of 8 (several new tokens per
     call at nonzero lengths, one all-padding chunk), then token-by-token decoding up to 48 tokens:
-    crosses many compression (stride 2) and selection (8) block boundaries and the window (6)."""
-    model = _model()
+    crosses many compression (stride 2) and selection (8) block boundaries and the window (6).
+    Both cache layouts: K/V per branch, and one K/V shared by the selection and window branches."""
+    model = _model(dataclasses.replace(CFG, nsa=dataclasses.replace(NSA, separate_kv=separate_kv)))
     total = 48
     tokens = jax.random.randint(jax.random.key(5), (B, total), 1, CFG.vocab_size)
     full = _logits(model, tokens, _pos(total))
