@@ -34,8 +34,9 @@ argument (or loop inside one jit) so the O(1) writes happen in place.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +54,29 @@ from .dense import write_cache
 
 NSACache = dict[str, jax.Array]
 BRANCHES = ("cmp", "slc", "win")  # order of the gate's last axis and of NSAConfig.gate_bias
+_RECORDERS: list[list[dict[str, np.ndarray]]] = []  # open record_branches() blocks, innermost last
+
+
+@contextlib.contextmanager
+def record_branches() -> Iterator[list[dict[str, np.ndarray]]]:
+    """Diagnostics: records, for every NSA layer call traced inside the block, its selected blocks
+    ("idx" [B,T,K,n]) and gates ("gates" [B,T,H,3], order BRANCHES) as numpy arrays, in call order
+    (layer by layer, through jit and scan; eval/nsa_probe.py reads them). The recording is a host
+    callback placed at trace time: call the model eagerly, or jit a function first traced inside
+    the block (a function traced earlier does not record; one traced inside keeps recording into
+    this list)."""
+    records: list[dict[str, np.ndarray]] = []
+    _RECORDERS.append(records)
+    try:
+        yield records
+    finally:
+        _RECORDERS.remove(records)
+
+
+def _record(idx: jax.Array, gates: jax.Array) -> None:
+    records = _RECORDERS[-1]
+    jax.debug.callback(lambda i, g: records.append({"idx": np.asarray(i), "gates": np.asarray(g)}),
+                       idx, gates, ordered=True)
 
 
 def n_compressed(seq_len: int, block_len: int, stride: int) -> int:
@@ -180,6 +204,8 @@ class NSAttention(nnx.Module):
                             n_selected=c.n_selected, n_init=c.n_init, n_local=c.n_local,
                             remap=c.remap, q_offset=q_offset, q_segment_ids=segment_ids,
                             implementation=impl)
+        if _RECORDERS:
+            _record(idx, gates)
         k_slc, v_slc = kv["slc"]
         if q_offset is not None and q.shape[1] == 1:
             o_slc = self._decode_selected(q, k_slc, v_slc, idx, q_offset)
