@@ -32,6 +32,7 @@ import numpy as np
 
 from aiinfra_jax.config import ConfigError
 from aiinfra_jax.eval.longctx import LongCtxConfig, build_examples, parse_depths
+from aiinfra_jax.kernels.block_selection.reference import forced_blocks
 from aiinfra_jax.models.attention.nsa import record_branches
 
 SINGLE_ANSWER_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "passkey")
@@ -61,13 +62,10 @@ def chance_shares(queries: np.ndarray, sources: np.ndarray, *, block_size: int, 
     the query's own and the n_local - 1 before it) and then free blocks uniformly at random."""
     out = np.empty(len(queries))
     for j, (q, s) in enumerate(zip(queries, sources)):
-        own, src, n_blocks = q // block_size, s // block_size, q // block_size + 1
-        forced = set(range(min(n_init, n_blocks))) | set(range(max(0, own - n_local + 1), own + 1))
-        free_slots = max(0, min(n_selected, n_blocks) - len(forced))
-        if src in forced:
-            out[j] = 1.0
-        else:
-            out[j] = free_slots / max(1, n_blocks - len(forced))
+        own = q // block_size  # blocks 0..own are candidates (one document from row 0)
+        forced = forced_blocks(own, 0, n_init=n_init, n_local=n_local)
+        free_slots = max(0, min(n_selected, own + 1) - len(forced))
+        out[j] = 1.0 if s // block_size in forced else free_slots / max(1, own + 1 - len(forced))
     return out
 
 
@@ -87,8 +85,8 @@ def probe(model: Any, examples: Sequence[Any], nsa_cfg: Any) -> list[dict[str, A
             jax.effects_barrier()
         if not records:
             raise ValueError("the model has no NSA layer to probe (model.mixers has no 'nsa')")
-        logp = jax.nn.log_softmax(np.asarray(logits[0], np.float32), axis=-1)
-        nll = float(-np.mean(np.asarray(logp)[queries, tokens[queries + 1]]))
+        logp = np.asarray(jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1))
+        nll = float(-np.mean(logp[queries, tokens[queries + 1]]))
         chance = chance_shares(queries, sources, block_size=nsa_cfg.sel_block_size,
                                n_selected=nsa_cfg.n_selected, n_init=nsa_cfg.n_init,
                                n_local=nsa_cfg.n_local)

@@ -121,6 +121,12 @@ def block_scores_reference(q, k_cmp, lse_cmp, *, seq_len: int, remap: Remap, sca
     return jax.lax.stop_gradient(scores)
 
 
+def forced_blocks(own: int, first: int, *, n_init: int, n_local: int) -> list[int]:
+    """The blocks every selection takes (ascending): the document's first n_init blocks (from
+    block ``first``) and the query's own block ``own`` with the n_local - 1 before it."""
+    return [j for j in range(first, own + 1) if j - first < n_init or own - j < n_local]
+
+
 def select_from_scores_reference(scores, q_pos, doc_start, *, block_size: int, n_selected: int,
                                  n_init: int, n_local: int):
     """Plain numpy selection (the oracle for api.select_from_scores): per (b, t, g) the forced
@@ -134,9 +140,8 @@ def select_from_scores_reference(scores, q_pos, doc_start, *, block_size: int, n
         for ti in range(t):
             own = min(q_pos[bi, ti] // block_size, nb - 1)
             first = doc_start[bi, ti] // block_size
-            cands = list(range(first, own + 1))
-            forced = [j for j in cands if j - first < n_init or own - j < n_local]
-            rest = [j for j in cands if j not in forced]
+            forced = forced_blocks(own, first, n_init=n_init, n_local=n_local)
+            rest = [j for j in range(first, own + 1) if j not in forced]
             for g in range(hkv):
                 order = sorted(rest, key=lambda j: (-scores[bi, ti, g, j], j))
                 chosen = sorted((forced + order)[:n_selected])
