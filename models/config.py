@@ -52,6 +52,13 @@ class NSAConfig:
     # Initial biases of the per-head sigmoid gates (compressed, selected, window): the default
     # starts the window branch at sigmoid(1) = 0.73 and the two sparse branches at 0.27.
     gate_bias: tuple[float, ...] = (-1.0, -1.0, 1.0)
+    # Query heads with a window branch: the first `window_heads` of them; None = every head. The
+    # other heads' window gate is fixed at 0, so everything they read comes through compression
+    # and selection (the n_init / n_local blocks still give them the start and the recent past).
+    # A small model otherwise learns to retrieve inside the window only and never trains the far
+    # route (eval/BENCHMARKS.md, issue 5). Their window attention is still computed (and counted
+    # in flops_per_token): simpler than a per-head kernel call, and cheap next to the rest.
+    window_heads: int | None = None
     # Kernel backend of all three branches: None (best available), "xla", "pallas_gpu",
     # "pallas_tpu".
     implementation: str | None = None
@@ -78,6 +85,10 @@ class NSAConfig:
             raise ValueError(f"NSAConfig.remap='eq9' needs cmp_stride={self.cmp_stride} to divide "
                              f"cmp_block_len={self.cmp_block_len} and sel_block_size="
                              f"{self.sel_block_size}; use remap='overlap' or change the sizes")
+        wh = self.window_heads
+        if wh is not None and (not isinstance(wh, int) or isinstance(wh, bool) or wh < 0):
+            raise ValueError(f"NSAConfig.window_heads={wh!r}: must be an int >= 0 (the first "
+                             "window_heads query heads keep the window branch) or None (all)")
         h = self.cmp_mlp_hidden
         if h is not None and (not isinstance(h, int) or isinstance(h, bool) or h <= 0):
             raise ValueError(f"NSAConfig.cmp_mlp_hidden={h!r}: must be a positive int or None "
@@ -180,6 +191,9 @@ class ModelConfig:
         if self.n_heads % self.n_kv_heads:
             self._fail("n_kv_heads", f"must divide n_heads={self.n_heads} "
                        "(grouped-query attention)")
+        if self.nsa.window_heads is not None and self.nsa.window_heads > self.n_heads:
+            self._fail("nsa", f"NSAConfig.window_heads={self.nsa.window_heads} exceeds "
+                       f"n_heads={self.n_heads}; use at most n_heads (None = every head)")
         if self.d_ff is not None and (not isinstance(self.d_ff, int) or self.d_ff <= 0):
             self._fail("d_ff", "must be a positive int or None (= 8/3 d_model rounded up to 64)")
         for name, kind in (("mixers", "mixer"), ("ffns", "ffn")):

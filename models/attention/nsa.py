@@ -104,7 +104,8 @@ class NSAttention(nnx.Module):
     Parameters: wq [D,H,Dh]; wk, wv [D,3,K,Dh] (cmp, slc, win; [D,1,K,Dh] with separate_kv=False);
     wo [H,Dh,D]; gates w_gate [D,H,3] ~ N(0, init_std) and b_gate [H,3] = NSAConfig.gate_bias, so
     at initialisation every gate is close to sigmoid(bias) (default: window 0.73, compressed and
-    selected 0.27); compression MLPs (index 0 keys, 1 values) cmp_pe [2,L,Dh], cmp_w1 [2,L,Dh,F],
+    selected 0.27; heads from NSAConfig.window_heads on have their window gate fixed at 0);
+    compression MLPs (index 0 keys, 1 values) cmp_pe [2,L,Dh], cmp_w1 [2,L,Dh,F],
     cmp_b1 [2,F], cmp_w2 [2,F,Dh], cmp_b2 [2,Dh] (F = NSAConfig.cmp_mlp_hidden or Dh).
     """
 
@@ -158,6 +159,10 @@ class NSAttention(nnx.Module):
         logits = jnp.einsum("btd,dhc->bthc", x, self.w_gate[...].astype(dt),
                             preferred_element_type=jnp.float32)
         gates = jax.nn.sigmoid(logits + self.b_gate[...].astype(jnp.float32))
+        wh = cfg.nsa.window_heads
+        if wh is not None and wh < cfg.n_heads:  # heads >= wh have no window branch
+            keep = (np.arange(cfg.n_heads) < wh).astype(np.float32)
+            gates = gates * np.stack([np.ones_like(keep), np.ones_like(keep), keep], -1)
         rot = lambda a: apply_rope(a, positions_bt, cfg.rope_theta)  # noqa: E731
         if cfg.nsa.separate_kv:
             new = {"k_src": k_nbtkd[0], "v_src": v_nbtkd[0], "k_slc": rot(k_nbtkd[1]),

@@ -235,6 +235,32 @@ def test_causality_through_each_branch(gates):
     assert not np.allclose(y2[:, 26:], y[:, 26:], atol=1e-4)
 
 
+def test_window_heads_read_only_through_compression_and_selection():
+    """window_heads=2: heads 0-1 are the ordinary gated sum, heads 2-3 the same without the window
+    branch (read through wo, one pair of heads at a time); the window gate of heads 2-3 is 0."""
+    nsa_nw = dataclasses.replace(NSA, window_heads=2)
+    cfg_nw = dataclasses.replace(CFG, nsa=nsa_nw)
+    x = _x(6)
+    gates = _layer(cfg_nw)._project(x, _pos())[1]
+    np.testing.assert_array_equal(np.asarray(gates[..., 2:, 2]), 0.0)
+    assert (np.asarray(gates[..., :2, 2]) > 0).all()
+
+    def heads_only(layer, heads):
+        wo = layer.wo[...]
+        keep = jnp.zeros((wo.shape[0], 1, 1)).at[jnp.asarray(heads)].set(1.0)
+        layer.wo[...] = wo * keep
+        return _apply(layer, x, _pos())
+
+    for heads, ref_gates in (([0, 1], (1, 1, 1)), ([2, 3], (1, 1, 0))):
+        got = heads_only(_layer(cfg_nw, gates=(1, 1, 1)), heads)
+        want = heads_only(_layer(CFG, gates=ref_gates), heads)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # and the window branch does matter to heads 2-3 when they keep it
+    assert not np.allclose(heads_only(_layer(CFG, gates=(1, 1, 1)), [2, 3]), want, atol=1e-4)
+    with pytest.raises(ValueError, match="window_heads=5 exceeds n_heads=4"):
+        dataclasses.replace(CFG, nsa=dataclasses.replace(NSA, window_heads=5))
+
+
 def test_flops_per_token_counts_three_branches():
     layer = nnx.eval_shape(lambda: NSAttention(CFG, rngs=nnx.Rngs(0)))
     keys = layer.attended_keys(T)
@@ -258,6 +284,7 @@ def test_flops_per_token_counts_three_branches():
     (dict(cmp_mlp_hidden=0), "cmp_mlp_hidden"),
     (dict(implementation="cuda"), "implementation"),
     (dict(window=0), "window"),
+    (dict(window_heads=-1), "window_heads"),
 ])
 def test_config_validation_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"NSAConfig.{field}"):
