@@ -149,12 +149,18 @@ def sentence_source(tokenizer: Any, kind: str, rng: np.random.Generator,
     raise ValueError(f"haystack={kind!r}: valid choices are {HAYSTACKS}")
 
 
+def placement_order(needles: Sequence[Needle]) -> list[int]:
+    """Indices of ``needles`` in the order ``assemble`` places them in the context: by depth,
+    equal depths in input order."""
+    return sorted(range(len(needles)), key=lambda k: (needles[k].depth, k))
+
+
 def assemble(tokenizer: Any, task: str, length: int, prefix: str, needles: Sequence[Needle],
              suffix: str, sentences: SentenceSource) -> Assembled:
     """``[BOS] + prefix + haystack (H tokens) with needles + suffix``, exactly ``length`` tokens.
 
-    Needles at the same boundary keep their input order (a chain of assignments stays in order
-    when its depths are sorted). Raises ContextTooShort when the fixed parts exceed ``length``.
+    Needles go in by depth (``placement_order``), equal depths in their input order (a chain of
+    assignments stays in order when its depths are sorted). Raises ContextTooShort when the fixed parts exceed ``length``.
     """
     if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length < 1:
         raise ValueError(f"task {task!r}: length={length!r} must be a positive int (tokens)")
@@ -183,7 +189,7 @@ def assemble(tokenizer: Any, task: str, length: int, prefix: str, needles: Seque
     hay = np.concatenate(parts) if parts else np.zeros((0,), np.int32)
     bounds_arr = np.asarray(bounds)
     points = [int(bounds_arr[np.argmin(np.abs(bounds_arr - n.depth * budget))]) for n in needles]
-    order = sorted(range(len(needles)), key=lambda k: (points[k], k))
+    order = placement_order(needles)  # points grow with depth, so they are sorted too
     pieces, offsets, cursor, at = [head], [0] * len(needles), 0, head.size
     for k in order:
         pieces.append(hay[cursor:points[k]])

@@ -4,7 +4,8 @@ A needle reads "One of the special magic {numbers|uuids} for {key} is: {value}."
 "adjective-noun" word pairs (or UUID-like strings) and values as 7-digit numbers (or UUID-like
 strings). Depth placement: the first queried key's first needle goes at the requested depth; the
 other needles (further values, further queried keys, distractor keys) at depths drawn uniformly
-from the example's generator. Letters: L prompt tokens.
+from the example's generator. Several answers (multivalue, multiquery) are listed, and several
+queried keys asked, in the order their needles stand in the context. Letters: L prompt tokens.
 
 Variants (haystack, key, value, needles):
   niah_single_1    noise,  words, numbers   1 needle
@@ -83,12 +84,19 @@ def niah_example(tokenizer: Any, task: str, length: int, depth: float, seed: int
     # Keys are drawn before anything else, so the answer does not depend on the length.
     keys = distinct(rng, spec.num_keys, make_key)
     values = [distinct(rng, spec.num_values, make_value) for _ in keys]
-    queried = keys[:spec.num_queries]
     needles: list[hs.Needle] = []
+    owners: list[tuple[int, int]] = []  # (key index, value index) of each needle
     for k, (key, vals) in enumerate(zip(keys, values)):
         for j, v in enumerate(vals):
             d = depth if (k == 0 and j == 0) else float(rng.uniform())
             needles.append(hs.Needle(_needle(spec.value_type, key, v), d))
+            owners.append((k, j))
+    # Several answers are listed in the order their needles stand in the context, and several
+    # queried keys are asked in that order too (RULER scores them order-free, string-match-all).
+    # Any other order is not predictable from the prompt, so as a training target it would teach
+    # the model only to name some value, not to go on to the next one.
+    in_context = [owners[i] for i in hs.placement_order(needles) if owners[i][0] < spec.num_queries]
+    asked = list(dict.fromkeys(keys[k] for k, _ in in_context))
 
     def distractor(r):
         key = distinct(r, 1, make_key, avoid=keys)[0]
@@ -99,9 +107,9 @@ def niah_example(tokenizer: Any, task: str, length: int, depth: float, seed: int
     prefix = f"Memorize the special magic {kind} hidden in the following text.\n"
     what = "are all the special magic" if many else "is the special magic"
     noun = kind if many else kind[:-1]
-    suffix = f"\nWhat {what} {noun} for {', '.join(queried)}?\nAnswer: "
+    suffix = f"\nWhat {what} {noun} for {', '.join(asked)}?\nAnswer: "
     sentences = hs.sentence_source(tokenizer, spec.haystack, rng, distractor)
     assembled = hs.assemble(tokenizer, task, length, prefix, needles, suffix, sentences)
-    answers = [v for vals in values[:spec.num_queries] for v in vals]
+    answers = [values[k][j] for k, j in in_context]
     return make_example(tokenizer, task, length, depth, seed, assembled, answers,
                         [n.text for n in needles])
