@@ -59,9 +59,10 @@ def test_seeding(task):
     assert a.answers == b.answers
     assert a.answers != c.answers
     assert not np.array_equal(a.prompt_tokens, c.prompt_tokens)
-    # Same seed, other length and depth: the same keys and values.
+    # Same seed, other length and depth: the same keys and values (several answers are listed in
+    # context order, which the depth may change).
     d = make_task_example(TOK, task, 1000, 0.9, 11)
-    assert d.answers == a.answers and d.prompt_tokens.size == 1000
+    assert sorted(d.answers) == sorted(a.answers) and d.prompt_tokens.size == 1000
 
 
 def test_niah_variants_differ_as_specified():
@@ -78,6 +79,25 @@ def test_niah_variants_differ_as_specified():
     assert len(mv.answers) == 4 and mv.metric == "all"
     mq = make_task_example(TOK, "niah_multiquery", 900, 0.5, 3)
     assert len(mq.answers) == 4 and len(set(mq.answers)) == 4
+
+
+@pytest.mark.parametrize("task", ["niah_multivalue", "niah_multiquery"])
+def test_several_answers_follow_the_context_order(task):
+    """Answers (and multiquery's asked keys) come in the order their needles stand in the prompt,
+    whatever the depths drawn; the first needle (at the requested depth) moves through them."""
+    firsts = set()
+    for seed, depth in ((0, 0.0), (1, 0.5), (2, 1.0), (3, 0.3)):
+        ex = make_task_example(TOK, task, 700, depth, seed)
+        text = ex.prompt_text(TOK)
+        where = [text.index(f" is: {a}.") for a in ex.answers]
+        assert where == sorted(where), (task, seed, ex.answers)
+        firsts.add(ex.answers.index(ex.needles[0].rsplit(" ", 1)[1].rstrip(".")))
+        if task == "niah_multiquery":
+            keys = [ex.needles[i].split(" for ")[1].split(" is: ")[0]
+                    for i in np.argsort(ex.needle_offsets)]
+            assert text.rsplit("\n", 2)[1] == f"What are all the special magic numbers for " \
+                f"{', '.join(keys)}?"
+    assert len(firsts) > 1  # not always listed first: the order is the context's
 
 
 def test_copy_task_string():
