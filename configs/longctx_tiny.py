@@ -1,8 +1,9 @@
 """A small NSA model for the long-context tasks: about an hour on a 2-core CPU.
 
-Status (2026-11-30, issue 5): answers are retrieved inside NSA's window but not beyond it; the
+Status (2026-12-01, issue 5): answers are retrieved inside NSA's window but not beyond it; the
 target of >= 90% NIAH exact match at 512 tokens is not met (37% on the 5-depth grid after 3000
-steps, a plateau from step ~1000). Scores: eval/BENCHMARKS.md, "Fourth attempt".
+steps, 34% with the current generator's context-ordered answers). Scores: eval/BENCHMARKS.md,
+"Fourth attempt" and "Sixth attempt".
 
 A byte-level decoder (4 layers, d_model 128, 4 query heads over 2 KV heads, NSA mixer, a short
 convolution of width 4 before every mixer) trained at 512 tokens, 3000 steps of 8 x 512 tokens, in
