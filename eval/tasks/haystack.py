@@ -42,8 +42,8 @@ class ContextTooShort(ValueError):
     def __init__(self, task: str, length: int, needed: int):
         self.task, self.length, self.needed = task, length, needed
         super().__init__(f"task {task!r}: length={length} tokens cannot hold the prompt's fixed "
-                         f"parts (instructions, question and needles need {needed} tokens); use a length "
-                         f">= {needed}")
+                         f"parts (instructions, question and needles need {needed} tokens); use a "
+                         f"length >= {needed}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +160,8 @@ def assemble(tokenizer: Any, task: str, length: int, prefix: str, needles: Seque
     """``[BOS] + prefix + haystack (H tokens) with needles + suffix``, exactly ``length`` tokens.
 
     Needles go in by depth (``placement_order``), equal depths in their input order (a chain of
-    assignments stays in order when its depths are sorted). Raises ContextTooShort when the fixed parts exceed ``length``.
+    assignments stays in order when its depths are sorted). Raises ContextTooShort when the fixed
+    parts exceed ``length``.
     """
     if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length < 1:
         raise ValueError(f"task {task!r}: length={length!r} must be a positive int (tokens)")

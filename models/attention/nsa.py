@@ -161,8 +161,7 @@ class NSAttention(nnx.Module):
         gates = jax.nn.sigmoid(logits + self.b_gate[...].astype(jnp.float32))
         wh = cfg.nsa.window_heads
         if wh is not None and wh < cfg.n_heads:  # heads >= wh have no window branch
-            keep = (np.arange(cfg.n_heads) < wh).astype(np.float32)
-            gates = gates * np.stack([np.ones_like(keep), np.ones_like(keep), keep], -1)
+            gates = gates.at[..., 2].multiply((np.arange(cfg.n_heads) < wh).astype(np.float32))
         rot = lambda a: apply_rope(a, positions_bt, cfg.rope_theta)  # noqa: E731
         if cfg.nsa.separate_kv:
             new = {"k_src": k_nbtkd[0], "v_src": v_nbtkd[0], "k_slc": rot(k_nbtkd[1]),
