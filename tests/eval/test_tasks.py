@@ -72,13 +72,29 @@ def test_niah_variants_differ_as_specified():
     uuid = make_task_example(TOK, "niah_single_3", 900, 0.5, 3)
     assert len(uuid.answers[0]) == 36 and uuid.answers[0].count("-") == 4
     mk = make_task_example(TOK, "niah_multikey_1", 900, 0.5, 3)
-    assert mk.prompt_text(TOK).count("One of the special magic numbers for") == 4
+    hay_text = lambda ex: TOK.decode(ex.prompt_tokens[slice(*ex.haystack_span)])  # noqa: E731
+    assert hay_text(mk).count("One of the special magic numbers for") == 4
     hay = make_task_example(TOK, "niah_multikey_2", 900, 0.5, 3)
-    assert hay.prompt_text(TOK).count("One of the special magic numbers for") >= 8
+    assert hay_text(hay).count("One of the special magic numbers for") >= 8
     mv = make_task_example(TOK, "niah_multivalue", 900, 0.5, 3)
     assert len(mv.answers) == 4 and mv.metric == "all"
     mq = make_task_example(TOK, "niah_multiquery", 900, 0.5, 3)
     assert len(mq.answers) == 4 and len(set(mq.answers)) == 4
+
+
+@pytest.mark.parametrize("task", NIAH_TASKS)
+def test_niah_answer_prefix_restates_the_first_needle(task):
+    """The prompt ends with the words that precede the first answer in its needle, and only that
+    needle (other keys' needles read differently), as RULER's answer prefix restates the query."""
+    ex = make_task_example(TOK, task, 900, float(np.random.default_rng().uniform()), 7)
+    text = ex.prompt_text(TOK)
+    lead_in = text.rsplit("\nAnswer: ", 1)[1]
+    assert lead_in.startswith("One of the special magic ") and lead_in.endswith(" is: ")
+    hay = TOK.decode(ex.prompt_tokens[slice(*ex.haystack_span)])
+    assert f"{lead_in}{ex.answers[0]}." in hay
+    key = lead_in.split(" for ")[1][:-len(" is: ")]
+    owned = [n for n in ex.needles if n.startswith(lead_in)]
+    assert len(owned) == (4 if task == "niah_multivalue" else 1), (task, key, ex.needles)
 
 
 @pytest.mark.parametrize("task", ["niah_multivalue", "niah_multiquery"])
