@@ -5,9 +5,9 @@ A needle reads "One of the special magic {numbers|uuids} for {key} is: {value}."
 strings). Depth placement: the first queried key's first needle goes at the requested depth; the
 other needles (further values, further queried keys, distractor keys) at depths drawn uniformly
 from the example's generator. Several answers (multivalue, multiquery) are listed, and several
-queried keys asked, in the order their needles stand in the context. The answer prefix restates
-the first asked key as its needles do ("Answer: One of the special magic numbers for {key} is: "),
-as RULER's answer prefix restates the query. Letters: L prompt tokens.
+queried keys asked, in the order their needles stand in the context. Where one key is asked (all
+but multiquery), the answer prefix restates it as its needles do ("Answer: One of the special magic
+numbers for {key} is: "), as RULER's answer prefix restates the query. Letters: L prompt tokens.
 
 Variants (haystack, key, value, needles):
   niah_single_1    noise,  words, numbers   1 needle
@@ -114,10 +114,12 @@ def niah_example(tokenizer: Any, task: str, length: int, depth: float, seed: int
     prefix = f"Memorize the special magic {kind} hidden in the following text.\n"
     what = "are all the special magic" if many else "is the special magic"
     noun = kind if many else kind[:-1]
-    # The answer prefix restates the first asked key in the needle's own words (RULER's prefix
-    # restates the query too; passkey's does the same), so the prompt ends the way the needle it
-    # asks for goes on to its value.
-    suffix = f"\nWhat {what} {noun} for {', '.join(asked)}?\nAnswer: {_lead_in(kind, asked[0])}"
+    # With one key asked, the answer prefix restates it in the needle's own words (RULER's prefix
+    # restates the query too; passkey's does the same), so the prompt ends the way the needle goes
+    # on to its value. Multiquery's four keys are not restated: its prompt would no longer fit
+    # 512 tokens with its answer, and a prefix naming only the first key would read oddly.
+    restated = _lead_in(kind, asked[0]) if len(asked) == 1 else ""
+    suffix = f"\nWhat {what} {noun} for {', '.join(asked)}?\nAnswer: {restated}"
     sentences = hs.sentence_source(tokenizer, spec.haystack, rng, distractor)
     assembled = hs.assemble(tokenizer, task, length, prefix, needles, suffix, sentences)
     answers = [values[k][j] for k, j in in_context]
