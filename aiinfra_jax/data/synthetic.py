@@ -46,6 +46,9 @@ from aiinfra_jax.data.config import DataConfig
 from aiinfra_jax.data.sources import register_source
 from aiinfra_jax.data.tokenizer import load_tokenizer
 
+# Seeds probed at construction for a task's longest need (prompt + answer); see _check_fit.
+PROBE_SEEDS = 32
+
 # Training documents use example seeds >= 2**40; the evaluation grid uses seed * 1_000_003 + sample,
 # so no evaluation example (for any seed < 10**6) is ever a training document.
 TRAIN_SEED_BASE = 2**40
@@ -145,6 +148,7 @@ class SyntheticSource:
                     f"data source {spec!r}: task {t!r} needs prompts of at least "
                     f"{self.min_length[t]} tokens, which does not fit max_length={top} / "
                     f"data.seq_len={cfg.seq_len} with its answer; raise data.seq_len")
+            self._check_fit(t)
         if opts.max_length > cfg.seq_len:
             raise ValueError(f"data source {spec!r}: max_length={opts.max_length} exceeds "
                              f"data.seq_len={cfg.seq_len}; documents must fit one row")
@@ -162,6 +166,26 @@ class SyntheticSource:
         except _tasks().ContextTooShort as e:
             return max(64, e.needed + 8)
         return 64
+
+    def _check_fit(self, task: str) -> None:
+        """Refuse, at construction, a task whose longer examples would not fit one row with their
+        answer: without this the error would come from the example that first fails, mid-run.
+        The shortest prompt and the answer vary with the example (key, value and question
+        lengths), so the first PROBE_SEEDS evaluation seeds are probed, not one."""
+        worst = 0
+        for seed in range(PROBE_SEEDS):
+            try:
+                self._make(task, 1, 0.5, seed)
+                needed = 1
+            except _tasks().ContextTooShort as e:
+                needed = e.needed
+            length = max(needed, self.min_length[task])
+            worst = max(worst, length + self._make(task, length, 0.5, seed).target_tokens.size + 1)
+        if worst > self.seq_len + 1:
+            raise ValueError(
+                f"data source {self.name!r}: task {task!r} has examples needing {worst} tokens "
+                f"(shortest prompt, answer and EOS) in a row of data.seq_len + 1 = "
+                f"{self.seq_len + 1}; raise data.seq_len or drop the task from the source")
 
     def __len__(self) -> int:
         return self.options.n

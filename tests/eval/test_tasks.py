@@ -205,6 +205,25 @@ def test_synthetic_spec_errors():
         open_source("synthetic:niah_multiquery", DataConfig(seq_len=300))
 
 
+def test_synthetic_source_refuses_examples_that_cannot_fit_at_construction():
+    """The row must hold the longest probed prompt + answer + EOS, not only the first seed's: a
+    multiquery source with a row one token short of the worst probe is refused up front (it used
+    to fail at the first such document, mid-run), and one token more opens."""
+    from aiinfra_jax.data.synthetic import PROBE_SEEDS
+
+    worst, lo = 0, None
+    for seed in range(PROBE_SEEDS):
+        with pytest.raises(ContextTooShort) as info:
+            make_task_example(TOK, "niah_multiquery", 1, 0.5, seed)
+        lo = lo or info.value.needed + 8  # the source's min_length: seed 0's minimum + 8
+        length = max(lo, info.value.needed)
+        ex = make_task_example(TOK, "niah_multiquery", length, 0.5, seed)
+        worst = max(worst, length + ex.target_tokens.size + 1)
+    with pytest.raises(ValueError, match=f"needing {worst} tokens.*raise data.seq_len"):
+        open_source("synthetic:niah_multiquery", DataConfig(seq_len=worst - 2))
+    open_source("synthetic:niah_multiquery", DataConfig(seq_len=worst - 1))
+
+
 def test_synthetic_generator_options_reach_the_generator():
     cfg = DataConfig(tokenizer="byte", seq_len=512)
     name, opts = parse_spec("synthetic:mqar:num_queries=16,context_weight=0.1")
