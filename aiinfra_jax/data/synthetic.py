@@ -140,7 +140,9 @@ class SyntheticSource:
         self.tokenizer = load_tokenizer(cfg.tokenizer)
         self.seq_len = cfg.seq_len
         opts = self.options
-        self.min_length = {t: max(opts.min_length, self._minimum(t)) for t in self.tasks}
+        shortest = {t: self._shortest_prompts(t) for t in self.tasks}
+        # The floor of the prompt lengths drawn: the first probe's shortest prompt + 8, at least 64.
+        self.min_length = {t: max(opts.min_length, 64, shortest[t][0] + 8) for t in self.tasks}
         for t in self.tasks:
             top = opts.max_length or cfg.seq_len
             if self.min_length[t] > top or self.min_length[t] >= cfg.seq_len:
@@ -148,7 +150,7 @@ class SyntheticSource:
                     f"data source {spec!r}: task {t!r} needs prompts of at least "
                     f"{self.min_length[t]} tokens, which does not fit max_length={top} / "
                     f"data.seq_len={cfg.seq_len} with its answer; raise data.seq_len")
-            self._check_fit(t)
+            self._check_fit(t, shortest[t])
         if opts.max_length > cfg.seq_len:
             raise ValueError(f"data source {spec!r}: max_length={opts.max_length} exceeds "
                              f"data.seq_len={cfg.seq_len}; documents must fit one row")
@@ -157,28 +159,27 @@ class SyntheticSource:
         return _tasks().make_task_example(self.tokenizer, task, length, depth, seed,
                                           **dict(self.options.task_options))
 
-    def _minimum(self, task: str) -> int:
-        try:
-            self._make(task, 1, 0.5, 0)
-        except TypeError as e:  # an option the generator does not take
-            raise ValueError(f"data source {self.name!r}: task {task!r} does not take the option(s) "
-                             f"{dict(self.options.task_options)} ({e})") from e
-        except _tasks().ContextTooShort as e:
-            return max(64, e.needed + 8)
-        return 64
-
-    def _check_fit(self, task: str) -> None:
-        """Refuse, at construction, a task whose longer examples would not fit one row with their
-        answer: without this the error would come from the example that first fails, mid-run.
-        The shortest prompt and the answer vary with the example (key, value and question
-        lengths), so the first PROBE_SEEDS evaluation seeds are probed, not one."""
-        worst = 0
+    def _shortest_prompts(self, task: str) -> list[int]:
+        """The shortest prompt (tokens) of the task's examples for the first PROBE_SEEDS evaluation
+        seeds: the fixed parts (needles, question, keys) set it and vary with the example."""
+        shortest = []
         for seed in range(PROBE_SEEDS):
             try:
                 self._make(task, 1, 0.5, seed)
-                needed = 1
+                shortest.append(1)
+            except TypeError as e:  # an option the generator does not take
+                raise ValueError(f"data source {self.name!r}: task {task!r} does not take the "
+                                 f"option(s) {dict(self.options.task_options)} ({e})") from e
             except _tasks().ContextTooShort as e:
-                needed = e.needed
+                shortest.append(e.needed)
+        return shortest
+
+    def _check_fit(self, task: str, shortest: list[int]) -> None:
+        """Refuse, at construction, a task whose longer examples would not fit one row with their
+        answer: without this the error would come from the example that first fails, mid-run.
+        shortest: _shortest_prompts(task); the answer is measured on the same probe seeds."""
+        worst = 0
+        for seed, needed in enumerate(shortest):
             length = max(needed, self.min_length[task])
             worst = max(worst, length + self._make(task, length, 0.5, seed).target_tokens.size + 1)
         if worst > self.seq_len + 1:
