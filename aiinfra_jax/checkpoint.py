@@ -46,6 +46,7 @@ __all__ = [
     "CorruptCheckpointError",
     "IncompatibleCheckpointError",
     "check_compatible",
+    "config_differences",
 ]
 
 logger = logging.getLogger(__name__)
@@ -92,19 +93,9 @@ def _flatten_dict(value: Any, prefix: str) -> dict[str, Any]:
     return {prefix: value}
 
 
-def check_compatible(
-    saved_config: dict,
-    config: dict,
-    sections: Sequence[str] = ("model",),
-    *,
-    source: str = "the checkpoint",
-) -> None:
-    """Raises ``IncompatibleCheckpointError`` if ``saved_config`` and ``config`` differ in ``sections``.
-
-    Both configs are compared after a JSON round trip (so a tuple and the list it was saved as are
-    equal). The error lists every differing dotted key with its saved ("checkpoint") and current
-    value; ``source`` names where ``saved_config`` came from in that message.
-    """
+def config_differences(saved_config: dict, config: dict, sections: Sequence[str]) -> list[str]:
+    """One line per dotted key of ``sections`` whose value differs between ``saved_config`` and
+    ``config`` (compared after a JSON round trip, so a tuple equals the list it was saved as)."""
     if isinstance(sections, str):
         raise TypeError(f"sections must be a sequence of section names, got the string {sections!r}")
     saved = _json_normalise(saved_config)
@@ -121,6 +112,22 @@ def check_compatible(
             old_value, new_value = old.get(key, _MISSING), new.get(key, _MISSING)
             if old_value != new_value:
                 diffs.append(f"  {key}: checkpoint {old_value!r}, current {new_value!r}")
+    return diffs
+
+
+def check_compatible(
+    saved_config: dict,
+    config: dict,
+    sections: Sequence[str] = ("model",),
+    *,
+    source: str = "the checkpoint",
+) -> None:
+    """Raises ``IncompatibleCheckpointError`` if ``saved_config`` and ``config`` differ in ``sections``.
+
+    The error lists every differing dotted key (``config_differences``) with its saved
+    ("checkpoint") and current value; ``source`` names where ``saved_config`` came from.
+    """
+    diffs = config_differences(saved_config, config, sections)
     if diffs:
         raise IncompatibleCheckpointError(
             f"{source} was written with a different {'/'.join(sections)} config than the current run; "
@@ -389,8 +396,13 @@ class Checkpointer:
             f"Fix: move that folder out of {self.directory} (the previous checkpoint is then used){pick}."
         )
 
-    def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict | None, dict]:
+    def restore(self, abstract_state: Any, step: int | None = None, *,
+                compare: Sequence[str] = ("model",)) -> tuple[Any, dict | None, dict]:
         """Restores ``(state, data_state, saved_config)`` from ``step`` (default: the latest).
+
+        ``compare``: the config sections that must equal the saved ones (default ``model``); a
+        caller that accepts other settings passes ``()`` and reads ``saved_config`` itself (the
+        state's tree structure, shapes and dtypes are checked either way).
 
         ``abstract_state`` is a pytree of ``jax.ShapeDtypeStruct`` with ``.sharding`` (or of
         ``jax.Array``, whose shapes, dtypes and shardings are used); arrays are restored directly
@@ -424,7 +436,8 @@ class Checkpointer:
             raise self._corrupt(step, "cannot read its 'config' item", e) from e
         if not isinstance(saved_config, dict):
             raise self._corrupt(step, f"its 'config' item is a {type(saved_config).__name__}, not a dict")
-        check_compatible(saved_config, self._config, source=f"checkpoint step {step} at {self._step_dir(step)}")
+        check_compatible(saved_config, self._config, compare,
+                         source=f"checkpoint step {step} at {self._step_dir(step)}")
 
         # 2. The state's tree structure, shapes and dtypes, from orbax's metadata.
         try:

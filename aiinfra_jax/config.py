@@ -97,6 +97,14 @@ class CheckpointConfig:
     every: int = 200  # steps between saves; 0 = only at the end (and on SIGTERM/Ctrl-C)
     keep: int = 3  # newest checkpoints kept
     async_save: bool = True
+    # Start a new run from another run's checkpoint (levanter's initialize_from): a run directory
+    # (its newest checkpoint), its checkpoints folder, or one step folder (runs/NAME/checkpoints/400).
+    # The whole training state is taken (params, optimizer state, step; the data stream too when the
+    # data section is unchanged), so the run goes on from that step under this config: the model
+    # section may differ where the state keeps its shapes (e.g. nsa.window_heads), and every
+    # difference is printed. Read only; the source run is never written. A run that already has
+    # checkpoints of its own resumes from them instead.
+    initialize_from: str = ""
 
     def __post_init__(self):
         _check(self.every >= 0, "checkpoint.every", self.every, "must be >= 0")

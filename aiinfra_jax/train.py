@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 
 from aiinfra_jax import sharding as shd
-from aiinfra_jax.checkpoint import Checkpointer
+from aiinfra_jax.checkpoint import Checkpointer, config_differences
 from aiinfra_jax.config import (Config, ConfigError, apply_overrides, from_dict, load_config,
                                 save_config, to_dict)
 from aiinfra_jax.data import BATCH_KEYS, load_tokenizer, make_iterator
@@ -320,7 +320,15 @@ def train(cfg: Config, *, stop_after: int | None = None, quiet: bool = False) ->
         state, data_state, _ = ckpt.restore(trainer.abstract_state())
         if data_state is not None:
             train_it.set_state(data_state)
-        say(f"resumed {run_dir} from step {int(state['step'])}")
+        say(f"resumed {run_dir} from step {int(state['step'])}"
+            + (" (its own checkpoint; checkpoint.initialize_from is not read again)"
+               if cfg.checkpoint.initialize_from else ""))
+    elif cfg.checkpoint.initialize_from:
+        state, data_state = initialize_from(trainer, say)
+        if data_state is not None:
+            train_it.set_state(data_state)
+        say(f"new run in {run_dir}, from step {int(state['step'])} of "
+            f"{cfg.checkpoint.initialize_from}")
     else:
         state = trainer.init_state()
         say(f"new run in {run_dir}")
@@ -448,6 +456,55 @@ def train(cfg: Config, *, stop_after: int | None = None, quiet: bool = False) ->
         {k: v for k, v in summary.items() if k != "history"}, indent=2) + "\n")
     say(_format_summary(summary))
     return summary
+
+
+def checkpoint_source(spec: str) -> tuple[Path, int | None]:
+    """(checkpoints folder, step or None = newest) named by checkpoint.initialize_from: a run
+    directory, its checkpoints folder, or one step folder."""
+    path = Path(spec).expanduser()
+    step = None
+    if path.name.isdigit() and path.is_dir():
+        path, step = path.parent, int(path.name)
+    elif (path / "checkpoints").is_dir():
+        path = path / "checkpoints"
+    if not path.is_dir():
+        raise ConfigError(f"checkpoint.initialize_from={spec!r}: no such directory; pass a run "
+                          "directory (runs/NAME), its checkpoints folder, or one step folder "
+                          "(runs/NAME/checkpoints/400)")
+    return path, step
+
+
+def initialize_from(trainer: "Trainer", say) -> tuple[dict, dict | None]:
+    """(state, data_state) of the checkpoint named by checkpoint.initialize_from (see
+    CheckpointConfig). Config differences are allowed where the state keeps its tree, shapes and
+    dtypes (checked by the restore) and printed; the data stream goes on only when the data
+    section is unchanged, else it starts at its first batch."""
+    cfg = trainer.cfg
+    spec = cfg.checkpoint.initialize_from
+    folder, step = checkpoint_source(spec)
+    # Read only: nothing is saved through this checkpointer, so nothing in the source is removed.
+    source = Checkpointer(folder, config=to_dict(cfg), keep=cfg.checkpoint.keep, async_save=False)
+    try:
+        if source.latest_step() is None:
+            raise ConfigError(f"checkpoint.initialize_from={spec!r}: {folder} holds no committed "
+                              "checkpoint")
+        state, data_state, saved = source.restore(trainer.abstract_state(), step, compare=())
+    finally:
+        source.close()
+    start = int(jax.device_get(state["step"]))
+    if start >= cfg.run.steps:
+        raise ConfigError(f"checkpoint.initialize_from={spec!r} is at step {start} and run.steps="
+                          f"{cfg.run.steps}: nothing left to train; raise run.steps")
+    current = to_dict(cfg)
+    diffs = config_differences(saved, current, ("model", "optim"))
+    say(f"initialized from {folder} step {start}; model/optim differences from it: "
+        + ("none" if not diffs else "\n" + "\n".join(diffs)))
+    data_diffs = config_differences(saved, current, ("data",))
+    if data_diffs:
+        say("the data section differs from the checkpoint's, so the data stream starts at its "
+            "first batch:\n" + "\n".join(data_diffs))
+        data_state = None
+    return state, data_state
 
 
 def restore_run(run_dir: str | Path, *, step: int | None = None, overrides=()):

@@ -82,6 +82,37 @@ def test_staged_mixture_resumes_across_its_boundary(tmp_path):
     assert sorted(b) == list(range(1, 9)) and all(a[k] == b[k] for k in a), (a, b)
 
 
+def test_initialize_from_goes_on_from_another_runs_checkpoint(tmp_path, capsys):
+    """checkpoint.initialize_from: a new run takes another run's state at its step (the data stream
+    too) and goes on exactly as that run would have; a model setting that keeps the state's shapes
+    may differ and is printed; the source run is left as it was; bad sources are refused."""
+    common = ["run.steps=8", "run.log_every=1", "checkpoint.every=0"]
+    full = train(tiny(tmp_path / "a", *common), quiet=True)
+    train(tiny(tmp_path / "b", *common), stop_after=4, quiet=True)
+    source = tmp_path / "b" / "tiny"
+    before = sorted(p.name for p in (source / "checkpoints").iterdir())
+    branch = train(tiny(tmp_path / "c", *common, f"checkpoint.initialize_from={source}"),
+                   quiet=True)
+    assert branch["start_step"] == 4 and branch["finished"]
+    assert sorted(losses(branch)) == list(range(5, 9))
+    assert all(losses(branch)[k] == losses(full)[k] for k in range(5, 9)), (losses(branch), full)
+    assert sorted(p.name for p in (source / "checkpoints").iterdir()) == before
+    # A step folder; a model key that keeps every shape (the init scale) may change, and is named.
+    capsys.readouterr()
+    train(tiny(tmp_path / "d", *common, "model.init_std=0.05",
+               f"checkpoint.initialize_from={source / 'checkpoints' / '4'}"))
+    assert "model.init_std: checkpoint 0.02, current 0.05" in capsys.readouterr().out
+    with pytest.raises(Exception, match="d_model|shape"):  # shapes differ: refused
+        train(tiny(tmp_path / "e", *common, "model.d_model=64",
+                   f"checkpoint.initialize_from={source}"), quiet=True)
+    with pytest.raises(ConfigError, match="nothing left to train"):
+        train(tiny(tmp_path / "f", "run.steps=4", f"checkpoint.initialize_from={source}"),
+              quiet=True)
+    with pytest.raises(ConfigError, match="no such directory"):
+        train(tiny(tmp_path / "g", *common, f"checkpoint.initialize_from={tmp_path / 'nope'}"),
+              quiet=True)
+
+
 def test_sharded_run_matches_single_device(tmp_path):
     common = ["run.steps=3", "run.log_every=1", "checkpoint.every=0", "optim.grad_accum=2"]
     one = train(tiny(tmp_path / "one", *common, "mesh.num_devices=1"), quiet=True)
