@@ -2,9 +2,9 @@
 
 Status (2026-12-01, issue 5): answers are retrieved inside NSA's window but not beyond it; the
 target of >= 90% NIAH exact match at 512 tokens is not met (NSA 37% on the 5-depth grid after 3000
-steps, 34% with context-ordered answers; only a 1000-step run, 29%, with the answer prefix that
-restates the asked key, with which the dense baseline went from 56% to 72%). Scores:
-eval/BENCHMARKS.md, "Fourth attempt" to "Seventh attempt".
+steps, 34% with context-ordered answers; 29% at step 1000 and 27.5% at step 2526 with the answer
+prefix that restates the asked key, with which the dense baseline went from 56% to 72%). Scores:
+eval/BENCHMARKS.md, "Fourth attempt" to "Eighth attempt".
 
 A byte-level decoder (4 layers, d_model 128, 4 query heads over 2 KV heads, NSA mixer, a short
 convolution of width 4 before every mixer) trained at 512 tokens, 3000 steps of 8 x 512 tokens, in
