@@ -471,6 +471,9 @@ def checkpoint_source(spec: str) -> tuple[Path, int | None]:
         raise ConfigError(f"checkpoint.initialize_from={spec!r}: no such directory; pass a run "
                           "directory (runs/NAME), its checkpoints folder, or one step folder "
                           "(runs/NAME/checkpoints/400)")
+    if step is None and not any(p.is_dir() and p.name.isdigit() for p in path.iterdir()):
+        raise ConfigError(f"checkpoint.initialize_from={spec!r}: {path} holds no checkpoint (no "
+                          "step folder); pass a run directory that has saved one")
     return path, step
 
 

@@ -113,6 +113,19 @@ def test_initialize_from_goes_on_from_another_runs_checkpoint(tmp_path, capsys):
               quiet=True)
 
 
+def test_initialize_from_names_a_source_without_checkpoints(tmp_path):
+    from aiinfra_jax.train import checkpoint_source
+
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="holds no checkpoint"):
+        checkpoint_source(str(run))
+    (run / "checkpoints" / "7").mkdir(parents=True)
+    assert checkpoint_source(str(run)) == (run / "checkpoints", None)
+    assert checkpoint_source(str(run / "checkpoints" / "7")) == (run / "checkpoints", 7)
+
+
 def test_sharded_run_matches_single_device(tmp_path):
     common = ["run.steps=3", "run.log_every=1", "checkpoint.every=0", "optim.grad_accum=2"]
     one = train(tiny(tmp_path / "one", *common, "mesh.num_devices=1"), quiet=True)
