@@ -18,6 +18,9 @@ Failure modes (never a silent start from scratch):
 - a folder left by an interrupted save (``*.orbax-checkpoint-tmp*``) is ignored by ``latest_step`` and
   reported with a warning in the log;
 - a directory that holds files but no checkpoint at all -> ``ValueError`` at construction;
+- opened ``read_only`` (to read another run's checkpoints): a missing directory, or one without a
+  committed checkpoint -> ``NoCheckpointError`` (a ``FileNotFoundError``) at construction; nothing
+  there is created, saved or deleted;
 - a committed step with missing or corrupt files -> ``CorruptCheckpointError`` (a ``RuntimeError``)
   naming the step folder and the fix;
 - a saved config whose ``model`` section differs from the current one -> ``IncompatibleCheckpointError``
@@ -45,6 +48,7 @@ __all__ = [
     "Checkpointer",
     "CorruptCheckpointError",
     "IncompatibleCheckpointError",
+    "NoCheckpointError",
     "check_compatible",
     "config_differences",
 ]
@@ -68,6 +72,10 @@ class CorruptCheckpointError(RuntimeError):
 
 class IncompatibleCheckpointError(ValueError):
     """A readable checkpoint does not fit the current run (config or state structure differs)."""
+
+
+class NoCheckpointError(FileNotFoundError):
+    """A checkpoint directory opened read-only is missing or holds no committed checkpoint."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -224,6 +232,9 @@ class Checkpointer:
       async_save: write in a background thread (call ``wait()``/``close()`` before exiting).
       save_every: ``save()`` writes only when ``step % save_every == 0`` (or ``force=True``);
         0 means every call to ``save()`` writes (the caller decides the cadence).
+      read_only: only restore (another run's checkpoints, or a finished run's): the directory must
+        exist and hold a committed checkpoint (else ``NoCheckpointError``), and nothing in it is
+        created, saved or deleted (``save`` raises).
     """
 
     def __init__(
@@ -234,6 +245,7 @@ class Checkpointer:
         keep: int = 3,
         async_save: bool = True,
         save_every: int = 0,
+        read_only: bool = False,
     ) -> None:
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
             raise ValueError(f"keep must be an int >= 1 (checkpoints to keep), got {keep!r}")
@@ -254,13 +266,17 @@ class Checkpointer:
         self.keep = keep
         self.async_save = async_save
         self.save_every = save_every
+        self.read_only = read_only
+        if read_only and not self.directory.is_dir():
+            raise NoCheckpointError(f"no checkpoint directory {self.directory}")
 
         self._partial = self._scan_directory()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             save_interval_steps=1,  # cadence is decided in save(); orbax is always forced
             enable_async_checkpointing=async_save,
-            create=True,
+            create=not read_only,
+            read_only=read_only,
             cleanup_tmp_directories=False,  # an interrupted save is reported, and replaced on re-save
         )
         self._manager = ocp.CheckpointManager(
@@ -272,6 +288,9 @@ class Checkpointer:
                 _ITEM_CONFIG: ocp.JsonCheckpointHandler(),
             },
         )
+        if read_only and self._manager.latest_step() is None:
+            self._manager.close()
+            raise NoCheckpointError(f"no committed checkpoint in {self.directory}{self._partial_note()}")
 
     # ---------------------------------------------------------------- directory inspection
 
@@ -289,7 +308,7 @@ class Checkpointer:
                 p,
             )
         others = [p for p in entries if p not in partial and p not in steps]
-        if not steps and others:
+        if not steps and others and not self.read_only:  # read-only: NoCheckpointError instead
             names = ", ".join(p.name for p in others[:5]) + (" ..." if len(others) > 5 else "")
             raise ValueError(
                 f"checkpoint directory {self.directory} holds files but no checkpoint ({names}); "
@@ -303,6 +322,10 @@ class Checkpointer:
                 ", ".join(p.name for p in others),
             )
         return partial
+
+    def _partial_note(self) -> str:
+        names = ", ".join(p.name for p in self._partial)
+        return f" (only interrupted saves: {names})" if self._partial else ""
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None when there is none (partial folders are ignored)."""
@@ -326,6 +349,8 @@ class Checkpointer:
         if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         step = int(step)
+        if self.read_only:
+            raise RuntimeError(f"{self.directory} was opened read-only; nothing is saved there")
         if not force and self.save_every > 0 and step % self.save_every != 0:
             return False
         existing = self._manager.all_steps()
@@ -414,9 +439,8 @@ class Checkpointer:
         steps = self.all_steps()
         if step is None:
             if not steps:
-                partial = f" (only interrupted saves: {', '.join(p.name for p in self._partial)})" if self._partial else ""
                 raise ValueError(
-                    f"no committed checkpoint in {self.directory}{partial}; nothing to restore. "
+                    f"no committed checkpoint in {self.directory}{self._partial_note()}; nothing to restore. "
                     "Fix: check the path, or start fresh by not restoring (latest_step() is None)."
                 )
             step = steps[-1]

@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 
 from aiinfra_jax import sharding as shd
-from aiinfra_jax.checkpoint import Checkpointer, config_differences
+from aiinfra_jax.checkpoint import Checkpointer, NoCheckpointError, config_differences
 from aiinfra_jax.config import (Config, ConfigError, apply_overrides, from_dict, load_config,
                                 save_config, to_dict)
 from aiinfra_jax.data import BATCH_KEYS, load_tokenizer, make_iterator
@@ -318,20 +318,15 @@ def train(cfg: Config, *, stop_after: int | None = None, quiet: bool = False) ->
         if not resume:
             raise RuntimeError(f"{run_dir} already holds checkpoints but was chosen for a new run")
         state, data_state, _ = ckpt.restore(trainer.abstract_state())
-        if data_state is not None:
-            train_it.set_state(data_state)
         say(f"resumed {run_dir} from step {int(state['step'])}"
             + (" (its own checkpoint; checkpoint.initialize_from is not read again)"
                if cfg.checkpoint.initialize_from else ""))
-    elif cfg.checkpoint.initialize_from:
-        state, data_state = initialize_from(trainer, say)
-        if data_state is not None:
-            train_it.set_state(data_state)
-        say(f"new run in {run_dir}, from step {int(state['step'])} of "
-            f"{cfg.checkpoint.initialize_from}")
     else:
-        state = trainer.init_state()
+        state, data_state = (initialize_from(trainer, say) if cfg.checkpoint.initialize_from
+                             else (trainer.init_state(), None))
         say(f"new run in {run_dir}")
+    if data_state is not None:
+        train_it.set_state(data_state)
     if cfg.data.stages:
         say("data stages: " + "; ".join(
             f"from step {start + 1}: " + ", ".join(f"{src} {w:.2f}" for src, w in
@@ -471,9 +466,6 @@ def checkpoint_source(spec: str) -> tuple[Path, int | None]:
         raise ConfigError(f"checkpoint.initialize_from={spec!r}: no such directory; pass a run "
                           "directory (runs/NAME), its checkpoints folder, or one step folder "
                           "(runs/NAME/checkpoints/400)")
-    if step is None and not any(p.is_dir() and p.name.isdigit() for p in path.iterdir()):
-        raise ConfigError(f"checkpoint.initialize_from={spec!r}: {path} holds no checkpoint (no "
-                          "step folder); pass a run directory that has saved one")
     return path, step
 
 
@@ -485,12 +477,12 @@ def initialize_from(trainer: "Trainer", say) -> tuple[dict, dict | None]:
     cfg = trainer.cfg
     spec = cfg.checkpoint.initialize_from
     folder, step = checkpoint_source(spec)
-    # Read only: nothing is saved through this checkpointer, so nothing in the source is removed.
-    source = Checkpointer(folder, config=to_dict(cfg), keep=cfg.checkpoint.keep, async_save=False)
     try:
-        if source.latest_step() is None:
-            raise ConfigError(f"checkpoint.initialize_from={spec!r}: {folder} holds no committed "
-                              "checkpoint")
+        source = Checkpointer(folder, config=to_dict(cfg), async_save=False, read_only=True)
+    except NoCheckpointError as e:
+        raise ConfigError(f"checkpoint.initialize_from={spec!r}: {e}; pass a run directory that "
+                          "has saved one") from e
+    try:
         state, data_state, saved = source.restore(trainer.abstract_state(), step, compare=())
     finally:
         source.close()
@@ -520,11 +512,9 @@ def restore_run(run_dir: str | Path, *, step: int | None = None, overrides=()):
                                 f"directory that train.py printed")
     cfg = apply_overrides(from_dict(json.loads(cfg_path.read_text())), list(overrides))
     trainer = Trainer(cfg)
-    ckpt = Checkpointer(run_dir / "checkpoints", config=to_dict(trainer.cfg),
-                        keep=cfg.checkpoint.keep, async_save=False)
+    ckpt = Checkpointer(run_dir / "checkpoints", config=to_dict(trainer.cfg), async_save=False,
+                        read_only=True)  # NoCheckpointError (a FileNotFoundError) if none
     try:
-        if ckpt.latest_step() is None:
-            raise FileNotFoundError(f"{run_dir / 'checkpoints'} holds no checkpoint")
         state, _, _ = ckpt.restore(trainer.abstract_state(), step=step)
     finally:
         ckpt.close()

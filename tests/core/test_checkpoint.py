@@ -17,6 +17,7 @@ from aiinfra_jax.checkpoint import (
     Checkpointer,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
+    NoCheckpointError,
     check_compatible,
 )
 
@@ -285,6 +286,30 @@ def test_restore_without_checkpoint_is_an_error(tmp_path, mesh):
         ckpt.save(4, state, None)
         with pytest.raises(ValueError, match=r"step 5 .*available steps: \[4\]"):
             ckpt.restore(abstract_of(state), step=5)
+
+
+def test_read_only_needs_a_checkpoint_and_never_writes(tmp_path, mesh):
+    with pytest.raises(NoCheckpointError, match=r"no checkpoint directory .*missing"):
+        Checkpointer(tmp_path / "missing", config=CONFIG, read_only=True)
+    assert not (tmp_path / "missing").exists()
+    other = tmp_path / "other_run"  # files but no checkpoint: named, not "refusing to start"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    (other / "3.orbax-checkpoint-tmp").mkdir()
+    with pytest.raises(NoCheckpointError, match=r"no committed checkpoint in .*other_run "
+                       r"\(only interrupted saves: 3.orbax-checkpoint-tmp\)"):
+        Checkpointer(other, config=CONFIG, read_only=True)
+    state = make_state(mesh, seed=2)
+    with Checkpointer(tmp_path / "ckpt", config=CONFIG, keep=1, async_save=False) as ckpt:
+        ckpt.save(1, state, {"pos": 1})
+    before = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    with Checkpointer(tmp_path / "ckpt", config=CONFIG, keep=1, read_only=True) as ckpt:
+        restored, data_state, _ = ckpt.restore(abstract_of(state))
+        assert data_state == {"pos": 1}
+        np.testing.assert_array_equal(np.asarray(restored["params"]["w"]), np.asarray(state["params"]["w"]))
+        with pytest.raises(RuntimeError, match="read-only"):
+            ckpt.save(2, state, None, force=True)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == before
 
 
 def test_bad_arguments(tmp_path, mesh):

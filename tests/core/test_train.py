@@ -119,8 +119,10 @@ def test_initialize_from_names_a_source_without_checkpoints(tmp_path):
     run = tmp_path / "run"
     (run / "logs").mkdir(parents=True)
     (run / "config.json").write_text("{}")
-    with pytest.raises(ConfigError, match="holds no checkpoint"):
-        checkpoint_source(str(run))
+    assert checkpoint_source(str(run)) == (run, None)
+    with pytest.raises(ConfigError, match=r"initialize_from=.*no committed checkpoint in .*run"):
+        train(tiny(tmp_path / "a", "run.steps=2", f"checkpoint.initialize_from={run}"), quiet=True)
+    assert sorted(p.name for p in run.iterdir()) == ["config.json", "logs"]  # nothing created
     (run / "checkpoints" / "7").mkdir(parents=True)
     assert checkpoint_source(str(run)) == (run / "checkpoints", None)
     assert checkpoint_source(str(run / "checkpoints" / "7")) == (run / "checkpoints", 7)
