@@ -2,6 +2,10 @@
 
     python -m aiinfra_jax.eval.longctx --checkpoint RUN_DIR --tasks niah_single_1,niah_multikey_1 \
         --lengths 1k,2k,4k --depths 11 --samples 4 [--batch-size 8] [--out DIR] [--step N]
+        [--branches-off cmp,slc]
+
+--branches-off (NSA models only) fixes the named branches' gates at 0 in every layer, to measure
+what each branch carries; the default output folder then ends in ``_without_<branches>``.
 
 Writes into --out (default RUN_DIR/longctx/step_<N>):
   samples.jsonl        one record per (task, length, depth, sample): answers, prediction, scores
@@ -436,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="output folder (default RUN_DIR/longctx/step_N)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="mesh/data overrides passed to restore_run")
+    ap.add_argument("--branches-off", default="", metavar="cmp,slc,win",
+                    help="NSA only: evaluate with these branches' gates fixed at 0")
     args = ap.parse_args(argv)
 
     try:
@@ -450,6 +456,14 @@ def main(argv: list[str] | None = None) -> int:
         if not cfg_path.exists():
             raise FileNotFoundError(f"{run_dir} is not a run directory (no config.json)")
         run_cfg = apply_overrides(from_dict(json.loads(cfg_path.read_text())), args.overrides)
+        branches_off = tuple(b for b in args.branches_off.split(",") if b)
+        if branches_off:
+            from aiinfra_jax.models.attention.nsa import BRANCHES  # pylint: disable=import-outside-toplevel
+
+            if "nsa" not in run_cfg.model.mixers or set(branches_off) - set(BRANCHES):
+                raise ValueError(f"--branches-off={args.branches_off}: names branches of NSA "
+                                 f"layers ({', '.join(BRANCHES)}); this model's mixers are "
+                                 f"{run_cfg.model.mixers}")
         tokenizer = load_tokenizer(run_cfg.data.tokenizer)
         # Everything that can be refused is refused before the checkpoint is loaded.
         examples = build_examples(tokenizer, cfg)
@@ -458,13 +472,19 @@ def main(argv: list[str] | None = None) -> int:
         from aiinfra_jax.train import merge_model, restore_run  # pylint: disable=import-outside-toplevel
 
         trainer, state = restore_run(run_dir, step=args.step, overrides=args.overrides)
-        model = merge_model(trainer.graphdef, trainer.abstract_params, trainer.rest,
-                            state["params"])
+        params = state["params"]
+        if branches_off:
+            from aiinfra_jax.models.attention.nsa import with_branches_off  # pylint: disable=import-outside-toplevel
+
+            params = with_branches_off(params, branches_off)
+        model = merge_model(trainer.graphdef, trainer.abstract_params, trainer.rest, params)
         step = int(state["step"])
-        out = Path(args.out) if args.out else run_dir / "longctx" / f"step_{step}"
+        suffix = f"_without_{'_'.join(branches_off)}" if branches_off else ""
+        out = Path(args.out) if args.out else run_dir / "longctx" / f"step_{step}{suffix}"
         answerer = ModelAnswerer(model, trainer.tokenizer, prefill_chunk=cfg.prefill_chunk,
                                  warmup=not args.no_warmup)
         meta = {"run_dir": str(run_dir), "step": step, "mixers": list(trainer.cfg.model.mixers),
+                "branches_off": list(branches_off),
                 "tokenizer": run_cfg.data.tokenizer, "command": " ".join(sys.argv)}
         result = run_longctx(answerer, trainer.tokenizer, cfg, out_dir=out,
                              progress=not args.no_progress, meta=meta, examples=examples)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -77,6 +77,30 @@ def _record(idx: jax.Array, gates: jax.Array) -> None:
     records = _RECORDERS[-1]
     jax.debug.callback(lambda i, g: records.append({"idx": np.asarray(i), "gates": np.asarray(g)}),
                        idx, gates, ordered=True)
+
+
+def with_branches_off(params: Any, branches: Sequence[str]) -> Any:
+    """Diagnostics: a copy of a model's parameters (any pytree) whose NSA layers have the named
+    branches' gates fixed at exactly 0: those entries of every b_gate become -inf, so the
+    sigmoid is 0 whatever the input. Evaluating the result measures what the branches carry
+    (eval/longctx.py --branches-off). ValueError for an unknown branch or a tree without NSA."""
+    unknown = sorted(set(branches) - set(BRANCHES))
+    if unknown or not branches:
+        raise ValueError(f"branches {list(branches)}: name one or more of {', '.join(BRANCHES)}")
+    off = np.asarray([b in branches for b in BRANCHES])
+    found = []
+
+    def edit(path, x):
+        if any(getattr(k, "key", getattr(k, "name", None)) == "b_gate" for k in path):
+            found.append(path)
+            return jnp.where(off, -jnp.inf, x).astype(x.dtype)
+        return x
+
+    out = jax.tree_util.tree_map_with_path(edit, params)
+    if not found:
+        raise ValueError("no NSA layer (no b_gate parameter) in these parameters; --branches-off "
+                         "applies to models with 'nsa' mixers")
+    return out
 
 
 def n_compressed(seq_len: int, block_len: int, stride: int) -> int:

@@ -147,6 +147,12 @@ def test_cli_refuses_long_lengths_before_loading(tmp_path, capsys):
     assert rc == 1
     err = capsys.readouterr().err
     assert "max_seq_len=600" in err and "no checkpoint" not in err
+    # --branches-off names NSA branches: refused for a dense model before loading too.
+    rc = lc.main(["--checkpoint", str(tmp_path), "--tasks", "niah_single_1", "--lengths", "256",
+                  "--depths", "3", "--no-progress", "--branches-off", "cmp"])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "--branches-off=cmp" in err and "'dense'" in err and "no checkpoint" not in err
 
 
 def test_longctx_scores_hook():

@@ -77,3 +77,33 @@ def test_probe_refuses_a_model_without_nsa_layers():
     ex = build_examples(TOK, LongCtxConfig(tasks=("passkey",), lengths=(256,), depths=(0.5,)))
     with pytest.raises(ValueError, match="no NSA layer"):
         npb.probe(model, ex, NSAConfig())
+
+
+def test_branches_off_fixes_their_gates_at_exactly_zero():
+    import jax
+    import jax.numpy as jnp
+
+    from aiinfra_jax.models.attention.nsa import record_branches, with_branches_off
+
+    model, _ = _nsa_model(n_selected=2)
+    tokens = jnp.asarray(np.random.default_rng().integers(0, 256, (1, 96)), jnp.int32)
+
+    def gates(m):
+        with record_branches() as records:
+            m(tokens, positions=jnp.arange(96, dtype=jnp.int32)[None])
+            jax.effects_barrier()
+        return np.stack([r["gates"] for r in records])            # [layers,B,T,H,3]
+
+    before = gates(model)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    off = nnx.merge(graphdef, with_branches_off(params, ("cmp", "win")), rest)
+    after = gates(off)
+    assert np.all(after[..., [0, 2]] == 0.0) and np.all(before[..., [0, 2]] > 0.0)
+    # The first layer's input is unchanged, so its slc gate is too (later layers' inputs move).
+    np.testing.assert_array_equal(after[0, ..., 1], before[0, ..., 1])
+    with pytest.raises(ValueError, match="name one or more of cmp, slc, win"):
+        with_branches_off(params, ("window",))
+    dense = Transformer(ModelConfig(vocab_size=384, d_model=32, n_layers=1, n_heads=2,
+                                    n_kv_heads=1, d_ff=64, max_seq_len=512), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="no NSA layer"):
+        with_branches_off(nnx.state(dense, nnx.Param), ("cmp",))
