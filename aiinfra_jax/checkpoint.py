@@ -272,8 +272,9 @@ class Checkpointer:
 
         self._partial = self._scan_directory()
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep,
-            save_interval_steps=1,  # cadence is decided in save(); orbax is always forced
+            # (read-only: the values orbax would otherwise replace, with a warning each)
+            max_to_keep=None if read_only else keep,
+            save_interval_steps=0 if read_only else 1,  # cadence is decided in save()
             enable_async_checkpointing=async_save,
             create=not read_only,
             read_only=read_only,
