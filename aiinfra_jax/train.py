@@ -124,6 +124,16 @@ class _Prefetcher:
         self._stop.set()
 
 
+def _wait_for_step(metrics: dict) -> None:
+    """Blocks until the step that produced ``metrics`` has computed. The loop calls it on the
+    previous step's metrics right after dispatching the next one, so at most two steps are
+    dispatched but not finished: the device never idles (the next step is queued while the host
+    waits), and a SIGTERM is acted on within about two steps' time. Without it, async dispatch lets
+    the host run up to run.log_every steps ahead, and the stop checkpoint waits for all of them
+    (~26 steps, 55 s, on the longctx preset), which can outlast a preemption's grace period."""
+    jax.block_until_ready(metrics)
+
+
 class Trainer:
     def __init__(self, cfg: Config):
         shd.maybe_initialize_distributed(cfg.mesh)
@@ -355,6 +365,7 @@ def train(cfg: Config, *, stop_after: int | None = None, quiet: bool = False) ->
     bar = ProgressBar(total, desc=cfg.run.name) if (cfg.run.progress and not quiet) else None
     prefetch = _Prefetcher(train_it)
     pending: list[dict] = []
+    previous = None  # the metrics of the step dispatched before the newest one
     last_data_state = data_state if latest is not None else train_it.get_state()
     t_interval = time.perf_counter()
     host_wait = 0.0
@@ -373,6 +384,9 @@ def train(cfg: Config, *, stop_after: int | None = None, quiet: bool = False) ->
                 host_wait += time.perf_counter() - t0
                 state, metrics = jtrain(state, shd.shard_batch(_local_rows(batch), trainer.mesh))
                 last_data_state = data_state_after
+                if previous is not None:
+                    _wait_for_step(previous)  # bounds the run-ahead; see _wait_for_step
+                previous = metrics
                 pending.append(metrics)
                 step += 1
                 at_log = step % cfg.run.log_every == 0 or step == total

@@ -7,6 +7,7 @@ import threading
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -162,6 +163,34 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
     assert not s["finished"] and 0 < s["step"] < 100000
     steps = [int(p.name) for p in (tmp_path / "tiny" / "checkpoints").iterdir() if p.name.isdigit()]
     assert s["step"] in steps
+
+
+def test_host_keeps_at_most_two_steps_in_flight(tmp_path, monkeypatch):
+    """Async dispatch must not let the host run ahead of the device (a SIGTERM would then wait for
+    every queued step): when the batch of step n + 1 is taken, every step before n has finished."""
+    import aiinfra_jax.train as train_mod
+
+    outputs, checked = [], []
+    real_steps, real_next = train_mod.Trainer.compiled_steps, train_mod._Prefetcher.next
+
+    def compiled_steps(self):
+        jtrain, jeval = real_steps(self)
+
+        def recorded(state, batch):
+            state, metrics = jtrain(state, batch)
+            outputs.append(metrics)
+            return state, metrics
+        return recorded, jeval
+
+    def next_batch(self):
+        checked.append(all(x.is_ready() for m in outputs[:-1] for x in jax.tree.leaves(m)))
+        return real_next(self)
+
+    monkeypatch.setattr(train_mod.Trainer, "compiled_steps", compiled_steps)
+    monkeypatch.setattr(train_mod._Prefetcher, "next", next_batch)
+    s = train(tiny(tmp_path, "run.steps=12", "run.log_every=12", "checkpoint.every=0"), quiet=True)
+    assert s["finished"] and len(outputs) == 12
+    assert checked == [True] * 12
 
 
 def test_resume_refuses_incompatible_model(tmp_path):
