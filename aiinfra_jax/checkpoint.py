@@ -74,8 +74,9 @@ class IncompatibleCheckpointError(ValueError):
     """A readable checkpoint does not fit the current run (config or state structure differs)."""
 
 
-class NoCheckpointError(FileNotFoundError):
-    """A checkpoint directory opened read-only is missing or holds no committed checkpoint."""
+class NoCheckpointError(FileNotFoundError, ValueError):
+    """A checkpoint directory is missing (opened read-only) or holds no committed checkpoint; a
+    FileNotFoundError for the CLIs' handlers and a ValueError as ``restore`` always raised."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -291,7 +292,7 @@ class Checkpointer:
         )
         if read_only and self._manager.latest_step() is None:
             self._manager.close()
-            raise NoCheckpointError(f"no committed checkpoint in {self.directory}{self._partial_note()}")
+            raise self._no_checkpoint()
 
     # ---------------------------------------------------------------- directory inspection
 
@@ -324,9 +325,11 @@ class Checkpointer:
             )
         return partial
 
-    def _partial_note(self) -> str:
+    def _no_checkpoint(self) -> NoCheckpointError:
         names = ", ".join(p.name for p in self._partial)
-        return f" (only interrupted saves: {names})" if self._partial else ""
+        return NoCheckpointError(f"no committed checkpoint in {self.directory}"
+                                 + (f" (only interrupted saves: {names})" if self._partial else "")
+                                 + "; check the path, or train to save one")
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None when there is none (partial folders are ignored)."""
@@ -432,7 +435,8 @@ class Checkpointer:
 
         ``abstract_state`` is a pytree of ``jax.ShapeDtypeStruct`` with ``.sharding`` (or of
         ``jax.Array``, whose shapes, dtypes and shardings are used); arrays are restored directly
-        into those shardings. Raises ``ValueError`` when there is nothing to restore,
+        into those shardings. Raises ``NoCheckpointError`` (a ValueError) when there is nothing to
+        restore, ``ValueError`` for a step that was not saved,
         ``IncompatibleCheckpointError`` for a config or tree mismatch and
         ``CorruptCheckpointError`` for unreadable files.
         """
@@ -440,10 +444,7 @@ class Checkpointer:
         steps = self.all_steps()
         if step is None:
             if not steps:
-                raise ValueError(
-                    f"no committed checkpoint in {self.directory}{self._partial_note()}; nothing to restore. "
-                    "Fix: check the path, or start fresh by not restoring (latest_step() is None)."
-                )
+                raise self._no_checkpoint()
             step = steps[-1]
         elif step not in steps:
             raise ValueError(

@@ -376,5 +376,15 @@ def load_config(preset: str | Path | None = None, overrides=()) -> Config:
     return apply_overrides(cfg, overrides)
 
 
+def load_run_config(run_dir: str | Path, overrides=()) -> Config:
+    """The config a run directory was trained with (the config.json train.py writes there), with
+    ``overrides`` applied; FileNotFoundError naming the directory when it has none."""
+    path = Path(run_dir) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.json); pass the "
+                                "directory that train.py printed (runs/NAME)")
+    return apply_overrides(from_dict(json.loads(path.read_text())), list(overrides))
+
+
 def save_config(cfg: Config, path: str | Path) -> None:
     Path(path).write_text(json.dumps(to_dict(cfg), indent=2, sort_keys=True) + "\n")

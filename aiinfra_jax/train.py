@@ -37,8 +37,8 @@ from flax import nnx
 
 from aiinfra_jax import sharding as shd
 from aiinfra_jax.checkpoint import Checkpointer, NoCheckpointError, config_differences
-from aiinfra_jax.config import (Config, ConfigError, apply_overrides, from_dict, load_config,
-                                save_config, to_dict)
+from aiinfra_jax.config import (Config, ConfigError, load_config, load_run_config, save_config,
+                                to_dict)
 from aiinfra_jax.data import BATCH_KEYS, load_tokenizer, make_iterator
 from aiinfra_jax.metrics import MetricsWriter, ProgressBar, mfu, peak_flops_per_device
 from aiinfra_jax.models import Transformer
@@ -520,12 +520,7 @@ def restore_run(run_dir: str | Path, *, step: int | None = None, overrides=()):
     """(trainer, state) of a run directory's checkpoint; overrides may change data/mesh/eval only
     (a changed model section is rejected by the checkpoint's compatibility check)."""
     run_dir = Path(run_dir)
-    cfg_path = run_dir / "config.json"
-    if not cfg_path.exists():
-        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.json); pass the "
-                                f"directory that train.py printed")
-    cfg = apply_overrides(from_dict(json.loads(cfg_path.read_text())), list(overrides))
-    trainer = Trainer(cfg)
+    trainer = Trainer(load_run_config(run_dir, overrides))
     ckpt = Checkpointer(run_dir / "checkpoints", config=to_dict(trainer.cfg), async_save=False,
                         read_only=True)  # NoCheckpointError (a FileNotFoundError) if none
     try:

@@ -42,11 +42,12 @@ from typing import Any
 
 import numpy as np
 
-from aiinfra_jax.config import ConfigError, apply_overrides, from_dict
+from aiinfra_jax.config import ConfigError, load_run_config
 from aiinfra_jax.data import load_tokenizer
 from aiinfra_jax.eval.answerers import Answerer, CopyAnswerer, ModelAnswerer, RandomAnswerer
 from aiinfra_jax.eval.tasks import NIAH_TASKS, Example, expand_tasks, make_task_example, score
 from aiinfra_jax.metrics import ProgressBar
+from aiinfra_jax.models.attention.nsa import check_branches, require_nsa, with_branches_off
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -452,18 +453,11 @@ def main(argv: list[str] | None = None) -> int:
                             prefill_chunk=args.prefill_chunk,
                             teacher_forced=not args.no_teacher_forced)
         run_dir = Path(args.checkpoint)
-        cfg_path = run_dir / "config.json"
-        if not cfg_path.exists():
-            raise FileNotFoundError(f"{run_dir} is not a run directory (no config.json)")
-        run_cfg = apply_overrides(from_dict(json.loads(cfg_path.read_text())), args.overrides)
+        run_cfg = load_run_config(run_dir, args.overrides)
         branches_off = tuple(b for b in args.branches_off.split(",") if b)
         if branches_off:
-            from aiinfra_jax.models.attention.nsa import BRANCHES  # pylint: disable=import-outside-toplevel
-
-            if "nsa" not in run_cfg.model.mixers or set(branches_off) - set(BRANCHES):
-                raise ValueError(f"--branches-off={args.branches_off}: names branches of NSA "
-                                 f"layers ({', '.join(BRANCHES)}); this model's mixers are "
-                                 f"{run_cfg.model.mixers}")
+            require_nsa(run_cfg.model.mixers, "--branches-off")
+            check_branches(branches_off)
         tokenizer = load_tokenizer(run_cfg.data.tokenizer)
         # Everything that can be refused is refused before the checkpoint is loaded.
         examples = build_examples(tokenizer, cfg)
@@ -474,8 +468,6 @@ def main(argv: list[str] | None = None) -> int:
         trainer, state = restore_run(run_dir, step=args.step, overrides=args.overrides)
         params = state["params"]
         if branches_off:
-            from aiinfra_jax.models.attention.nsa import with_branches_off  # pylint: disable=import-outside-toplevel
-
             params = with_branches_off(params, branches_off)
         model = merge_model(trainer.graphdef, trainer.abstract_params, trainer.rest, params)
         step = int(state["step"])

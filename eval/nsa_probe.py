@@ -30,10 +30,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from aiinfra_jax.config import ConfigError
+from aiinfra_jax.config import ConfigError, load_run_config
 from aiinfra_jax.eval.longctx import LongCtxConfig, build_examples, parse_depths
 from aiinfra_jax.kernels.block_selection.reference import forced_blocks
-from aiinfra_jax.models.attention.nsa import record_branches
+from aiinfra_jax.models.attention.nsa import record_branches, require_nsa
 
 SINGLE_ANSWER_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "passkey")
 
@@ -155,10 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         # the eval package for its in-loop hook.
         from aiinfra_jax.train import merge_model, restore_run  # pylint: disable=import-outside-toplevel
 
+        require_nsa(load_run_config(args.checkpoint).model.mixers, "eval.nsa_probe")
         trainer, state = restore_run(args.checkpoint, step=args.step)
-        if "nsa" not in trainer.cfg.model.mixers:
-            raise ValueError(f"{args.checkpoint}: model.mixers={trainer.cfg.model.mixers} has no "
-                             "'nsa' layer to probe")
         model = merge_model(trainer.graphdef, trainer.abstract_params, trainer.rest,
                             state["params"])
         examples = build_examples(trainer.tokenizer, cfg)

@@ -79,14 +79,27 @@ def _record(idx: jax.Array, gates: jax.Array) -> None:
                        idx, gates, ordered=True)
 
 
+def require_nsa(mixers: Sequence[str], what: str) -> None:
+    """ValueError naming ``what`` unless model.mixers has an NSA layer; the diagnostics call it on
+    the run's config before loading a checkpoint."""
+    if "nsa" not in mixers:
+        raise ValueError(f"{what} needs a model with NSA layers; this one has model.mixers="
+                         f"{tuple(mixers)}")
+
+
+def check_branches(branches: Sequence[str]) -> None:
+    """ValueError unless ``branches`` names one or more of BRANCHES."""
+    unknown = sorted(set(branches) - set(BRANCHES))
+    if unknown or not branches:
+        raise ValueError(f"branches {list(branches)}: name one or more of {', '.join(BRANCHES)}")
+
+
 def with_branches_off(params: Any, branches: Sequence[str]) -> Any:
     """Diagnostics: a copy of a model's parameters (any pytree) whose NSA layers have the named
     branches' gates fixed at exactly 0: those entries of every b_gate become -inf, so the
     sigmoid is 0 whatever the input. Evaluating the result measures what the branches carry
     (eval/longctx.py --branches-off). ValueError for an unknown branch or a tree without NSA."""
-    unknown = sorted(set(branches) - set(BRANCHES))
-    if unknown or not branches:
-        raise ValueError(f"branches {list(branches)}: name one or more of {', '.join(BRANCHES)}")
+    check_branches(branches)
     off = np.asarray([b in branches for b in BRANCHES])
     found = []
 

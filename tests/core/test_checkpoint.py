@@ -281,7 +281,7 @@ def test_restore_without_checkpoint_is_an_error(tmp_path, mesh):
     state = make_state(mesh, seed=9)
     with Checkpointer(tmp_path / "new", config=CONFIG) as ckpt:
         assert ckpt.latest_step() is None
-        with pytest.raises(ValueError, match=r"no committed checkpoint in .*new"):
+        with pytest.raises(NoCheckpointError, match=r"no committed checkpoint in .*new"):
             ckpt.restore(abstract_of(state))
         ckpt.save(4, state, None)
         with pytest.raises(ValueError, match=r"step 5 .*available steps: \[4\]"):

@@ -152,7 +152,17 @@ def test_cli_refuses_long_lengths_before_loading(tmp_path, capsys):
                   "--depths", "3", "--no-progress", "--branches-off", "cmp"])
     assert rc == 1
     err = capsys.readouterr().err
-    assert "--branches-off=cmp" in err and "'dense'" in err and "no checkpoint" not in err
+    assert "--branches-off needs a model with NSA layers" in err and "'dense'" in err
+    assert "no checkpoint" not in err
+    # and an unknown branch of an NSA model, also before loading
+    save_config(Config(model=ModelConfig(max_seq_len=600, mixers=("nsa",))),
+                tmp_path / "config.json")
+    rc = lc.main(["--checkpoint", str(tmp_path), "--tasks", "niah_single_1", "--lengths", "256",
+                  "--depths", "3", "--no-progress", "--branches-off", "window"])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "branches ['window']: name one or more of cmp, slc, win" in err
+    assert "no checkpoint" not in err
 
 
 def test_longctx_scores_hook():

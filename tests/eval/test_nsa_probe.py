@@ -79,6 +79,18 @@ def test_probe_refuses_a_model_without_nsa_layers():
         npb.probe(model, ex, NSAConfig())
 
 
+def test_cli_refuses_a_run_without_nsa_before_loading(tmp_path, capsys):
+    from aiinfra_jax.config import Config, save_config
+
+    save_config(Config(model=ModelConfig(max_seq_len=600)), tmp_path / "config.json")
+    assert npb.main(["--checkpoint", str(tmp_path), "--tasks", "passkey"]) == 1
+    err = capsys.readouterr().err
+    assert "eval.nsa_probe needs a model with NSA layers" in err and "'dense'" in err
+    assert "no checkpoint" not in err  # refused on the config, before the checkpoint is opened
+    assert npb.main(["--checkpoint", str(tmp_path / "missing"), "--tasks", "passkey"]) == 1
+    assert "not a run directory (no config.json)" in capsys.readouterr().err
+
+
 def test_branches_off_fixes_their_gates_at_exactly_zero():
     import jax
     import jax.numpy as jnp
