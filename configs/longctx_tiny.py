@@ -3,8 +3,10 @@
 Status (2026-12-01, issue 5): the target of >= 90% NIAH exact match at 512 tokens is not met.
 With the window at 512 (this preset since the ninth attempt) NSA reaches 63.8% at 512 after 3000
 steps (34.1% at 1k, 16.2% at 2k), flat over depth at 512; with a 256-token window it was 30.0 /
-19.4 / 19.7% after 3000 steps, with needles beyond ~130 tokens lost. Dense trained the same way:
-72.2 / 27.2 / 7.5%. Scores: eval/BENCHMARKS.md, "Fourth attempt" to "Ninth attempt".
+19.4 / 19.7% after 3000 steps, with needles beyond ~130 tokens lost. Trained on to step 5500 with
+twice the multikey share (initialize_from, ~90 more minutes): 71.9 / 28.4 / 17.5%, with the
+word-key multikey variants still at 10 / 20%. Dense trained the same way: 72.2 / 27.2 / 7.5%.
+Scores: eval/BENCHMARKS.md, "Fourth attempt" to "Tenth attempt".
 
 A byte-level decoder (4 layers, d_model 128, 4 query heads over 2 KV heads, NSA mixer, a short
 convolution of width 4 before every mixer) trained at 512 tokens, 3000 steps of 8 x 512 tokens, in
