@@ -366,7 +366,6 @@ def train(cfg: Config, *, stop_after: int | None = None, quiet: bool = False) ->
     bar = ProgressBar(total, desc=cfg.run.name) if (cfg.run.progress and not quiet) else None
     prefetch = _Prefetcher(train_it)
     pending: list[dict] = []
-    previous = None  # the metrics of the step dispatched before the newest one
     last_data_state = data_state if latest is not None else train_it.get_state()
     t_interval = time.perf_counter()
     host_wait = 0.0
@@ -385,9 +384,8 @@ def train(cfg: Config, *, stop_after: int | None = None, quiet: bool = False) ->
                 host_wait += time.perf_counter() - t0
                 state, metrics = jtrain(state, shd.shard_batch(_local_rows(batch), trainer.mesh))
                 last_data_state = data_state_after
-                if previous is not None:
-                    _wait_for_step(previous)  # bounds the run-ahead; see _wait_for_step
-                previous = metrics
+                if pending:  # (emptied only at a log point, which waited for every step)
+                    _wait_for_step(pending[-1])  # bounds the run-ahead; see _wait_for_step
                 pending.append(metrics)
                 step += 1
                 at_log = step % cfg.run.log_every == 0 or step == total
