@@ -138,6 +138,11 @@ def test_state_from_other_setup_is_refused():
         other.set_state({"grain": {}})
 
 
+def _doc_ids(pieces):
+    """The document numbers ("{i}:" prefixes) of the pieces that open a document (start with BOS)."""
+    return {int(TOK.decode(list(p[1:])).split(":", 1)[0]) for p in pieces if p[0] == TOK.bos_id}
+
+
 def test_validation_split_finite_deterministic_and_disjoint(tmp_path):
     rng = np.random.default_rng()
     texts = _random_docs(rng, 40, 60)
@@ -155,7 +160,13 @@ def test_validation_split_finite_deterministic_and_disjoint(tmp_path):
         for p in _check_batch_and_get_pieces(b, 4, 32)
     ]
     assert sorted(val_pieces + train_pieces) == _expected_pieces(texts, 32)
-    assert set(val_pieces).isdisjoint(train_pieces)
+    # The split is by document: each side holds exactly the pieces of its own documents. (Pieces
+    # themselves may repeat across documents, e.g. two tails "t<eos>", so compare documents.)
+    val_docs, train_docs = _doc_ids(val_pieces), _doc_ids(train_pieces)
+    assert val_docs and train_docs and val_docs.isdisjoint(train_docs)
+    assert val_docs | train_docs == set(range(len(texts)))
+    assert sorted(val_pieces) == _expected_pieces([texts[i] for i in val_docs], 32)
+    assert sorted(train_pieces) == _expected_pieces([texts[i] for i in train_docs], 32)
     # All-padding rows appear only at the end of the last batch.
     empty = np.concatenate([(b["segment_ids"] == 0).all(axis=1) for b in runs[0]])
     assert not empty[: len(empty) - 4].any()
