@@ -1,6 +1,7 @@
 """Config: presets, overrides, validation errors that name the key, JSON round trip."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,17 @@ def test_defaults_and_tiny_preset_are_valid():
     assert cfg.run.name == "tiny"
     # `configs/tiny` without a suffix finds the file too
     assert load_preset("configs/tiny") == cfg
+
+
+PRESETS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
+def test_every_preset_builds_and_round_trips(path):
+    """Every committed preset constructs (all validation runs) and survives config.json."""
+    cfg = load_preset(path)
+    assert from_dict(json.loads(json.dumps(to_dict(cfg)))) == cfg
+    assert cfg.data.seq_len <= cfg.model.max_seq_len
 
 
 def test_overrides_parse_by_field_type():
