@@ -1,0 +1,41 @@
+"""Stage 2 of the long-context recipe: the preset's checkpoint trained on with twice the multikey
+share (issue 5, "Tenth attempt" in eval/BENCHMARKS.md).
+
+    python train.py --config configs/longctx_tiny.py            # runs/longctx_tiny, steps 1-3000
+    python train.py --config configs/longctx_tiny_multikey.py   # runs/longctx_tiny_multikey, 3001-5500
+    python train.py --config configs/longctx_tiny_wordkeys.py   # runs/longctx_tiny_wordkeys, 5501-7500
+
+Steps 3001-5500 start from ``runs/longctx_tiny`` (``checkpoint.initialize_from``: params,
+optimizer state and step) with one data stage: the preset's retrieval mixture with the three
+multikey variants added as sources of their own, so multikey is 26% of documents instead of 13%.
+The cosine schedule is the preset's stretched to 5500 steps, so the learning rate rises again at
+step 3000 (to 1.9e-3; the preset ended at 4e-4): the in-loop score dipped at step 4000 before it
+rose. Measured (2026-12-01, ~90 min here): NIAH 71.9 / 28.4 / 17.5% at 512 / 1k / 2k (the preset:
+63.8 / 34.1 / 16.2%), word-key multikey still 10 / 20%.
+"""
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+# The preset's module, for its source strings (_SYN, _COPY) as well as its CONFIG.
+_spec = importlib.util.spec_from_file_location("aiinfra_preset_longctx_tiny",
+                                               Path(__file__).with_name("longctx_tiny.py"))
+_base = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_base)
+_SYN = _base._SYN
+
+SOURCES = ("embedded", "synthetic:niah" + _SYN, "synthetic:niah_multikey_1" + _SYN,
+           "synthetic:niah_multikey_2" + _SYN, "synthetic:niah_multikey_3" + _SYN,
+           "synthetic:passkey" + _SYN, "synthetic:mqar" + _SYN + ",num_queries=16",
+           "synthetic:variable_tracking" + _SYN, _base._COPY)
+
+_c = _base.CONFIG
+CONFIG = dataclasses.replace(
+    _c,
+    data=dataclasses.replace(_c.data, sources=SOURCES,
+                             weights=(0.05, 0.30, 0.05, 0.05, 0.05, 0.05, 0.15, 0.05, 0.25),
+                             stages=()),
+    checkpoint=dataclasses.replace(_c.checkpoint, keep=6, initialize_from="runs/longctx_tiny"),
+    run=dataclasses.replace(_c.run, name="longctx_tiny_multikey", steps=5500),
+)
