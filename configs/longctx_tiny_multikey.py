@@ -15,22 +15,19 @@ rose. Measured (2026-12-01, ~90 min here): NIAH 71.9 / 28.4 / 17.5% at 512 / 1k 
 """
 
 import dataclasses
-import importlib.util
 from pathlib import Path
 
-# The preset's module, for its source strings (_SYN, _COPY) as well as its CONFIG.
-_spec = importlib.util.spec_from_file_location("aiinfra_preset_longctx_tiny",
-                                               Path(__file__).with_name("longctx_tiny.py"))
-_base = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_base)
-_SYN = _base._SYN
+from aiinfra_jax.config import load_preset
 
-SOURCES = ("embedded", "synthetic:niah" + _SYN, "synthetic:niah_multikey_1" + _SYN,
-           "synthetic:niah_multikey_2" + _SYN, "synthetic:niah_multikey_3" + _SYN,
-           "synthetic:passkey" + _SYN, "synthetic:mqar" + _SYN + ",num_queries=16",
-           "synthetic:variable_tracking" + _SYN, _base._COPY)
+_c = load_preset(Path(__file__).with_name("longctx_tiny.py"))
+# The preset's retrieval sources with the three multikey variants inserted after `synthetic:niah`,
+# each with the same options (loss weights) as the NIAH group.
+_src = _c.data.sources
+_niah = next(i for i, s in enumerate(_src) if s.startswith("synthetic:niah:"))
+SOURCES = (_src[: _niah + 1]
+           + tuple(_src[_niah].replace("niah:", f"niah_multikey_{i}:", 1) for i in (1, 2, 3))
+           + _src[_niah + 1:])
 
-_c = _base.CONFIG
 CONFIG = dataclasses.replace(
     _c,
     data=dataclasses.replace(_c.data, sources=SOURCES,

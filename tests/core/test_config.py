@@ -23,7 +23,8 @@ PRESETS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.py"))
 
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
 def test_every_preset_builds_and_round_trips(path):
-    """Every committed preset constructs (all validation runs) and survives config.json."""
+    """Every committed preset constructs (all validation runs), survives config.json, and its model
+    can take a prompt of its training length (max_seq_len bounds generation caches only)."""
     cfg = load_preset(path)
     assert from_dict(json.loads(json.dumps(to_dict(cfg)))) == cfg
     assert cfg.data.seq_len <= cfg.model.max_seq_len
