@@ -6,11 +6,13 @@ Dk head dim, nb = ceil(seq_len / block_size) selection blocks, n = n_selected.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from aiinfra_jax.kernels import _dispatch
+from aiinfra_jax.kernels import _dispatch, _sharding
 from aiinfra_jax.kernels.block_selection import xla as xla_impl
 from aiinfra_jax.kernels.block_selection.reference import (REMAPS, Remap,
                                                            doc_start_positions)
@@ -83,21 +85,45 @@ def block_scores_unchecked(q, k_cmp, lse_cmp, *, seq_len: int, remap: Remap, sca
                            q_offset=None, q_segment_ids=None, implementation: str,
                            interpret: bool = False, block_q: int | None = None,
                            block_n: int | None = None):
-    """Per-group block scores [B, T, Hkv, nb] float32 with `implementation`, no backend check
-    (the lowering tests use it); inputs are not validated."""
+    """Per-group block scores [B, T, Hkv, nb] float32 running `implementation` on every platform,
+    without the platform check (internal: tests use it for the tile sizes); inputs are not
+    validated."""
+    _dispatch.check_name(_OP, implementation)
+    return _block_scores(q, k_cmp, lse_cmp, _dispatch.Selection.only(implementation),
+                         seq_len=seq_len, remap=remap, scale=scale, q_offset=q_offset,
+                         q_segment_ids=q_segment_ids, interpret=interpret, block_q=block_q,
+                         block_n=block_n)
+
+
+def _block_scores(q, k_cmp, lse_cmp, selection: _dispatch.Selection, *, seq_len: int,
+                  remap: Remap, scale: float, q_offset, q_segment_ids, interpret: bool,
+                  block_q: int | None, block_n: int | None):
+    """Scores with the implementation `selection` picks for the lowering platform; the Pallas
+    kernels run in a shard_map under a mesh (batch over the batch axes, KV heads over "tensor")."""
     b = q.shape[0]
     off = jnp.zeros((b,), jnp.int32) if q_offset is None else jnp.asarray(q_offset, jnp.int32)
     seg = None if q_segment_ids is None else jnp.asarray(q_segment_ids, jnp.int32)
-    if implementation == "xla":
-        return xla_impl.block_scores(q, k_cmp, lse_cmp, off, seg, seq_len=seq_len, remap=remap,
-                                     scale=scale, block_q=block_q or 256)
-    if implementation == "pallas_gpu":
-        from aiinfra_jax.kernels.block_selection import pallas_gpu as mod
-    else:
-        from aiinfra_jax.kernels.block_selection import pallas_tpu as mod
-    kw = {k: v for k, v in (("block_q", block_q), ("block_n", block_n)) if v is not None}
-    return mod.block_scores(q, k_cmp, lse_cmp, off, seg, seq_len=seq_len, remap=remap,
-                            scale=scale, interpret=interpret, **kw)
+    plan = _dispatch.shard_plan(_OP, selection, batch=b, heads=k_cmp.shape[2])
+
+    def specs(sh):
+        x = sh.spec("batch", None, "heads", None)
+        return ((x, x, sh.spec("batch", None, "heads"), sh.spec("batch"), sh.spec("batch", None)),
+                x)
+
+    def scores(implementation, q, k_cmp, lse_cmp, off, seg):
+        if implementation == "xla":
+            return xla_impl.block_scores(q, k_cmp, lse_cmp, off, seg, seq_len=seq_len,
+                                         remap=remap, scale=scale, block_q=block_q or 256)
+        if implementation == "pallas_gpu":
+            from aiinfra_jax.kernels.block_selection import pallas_gpu as mod
+        else:
+            from aiinfra_jax.kernels.block_selection import pallas_tpu as mod
+        kw = {k: v for k, v in (("block_q", block_q), ("block_n", block_n)) if v is not None}
+        kernel = functools.partial(mod.block_scores, seq_len=seq_len, remap=remap, scale=scale,
+                                   interpret=interpret, **kw)
+        return _sharding.run(plan, kernel, (q, k_cmp, lse_cmp, off, seg), specs)
+
+    return _dispatch.run(selection, scores, q, k_cmp, lse_cmp, off, seg)
 
 
 def select_from_scores(scores, q_pos, doc_start, *, block_size: int, n_selected: int,
@@ -147,19 +173,22 @@ def select_blocks(q, k_cmp, lse_cmp, *, seq_len: int, cmp_block_len: int = 32,
       q_offset: int [B]: query row t sits at position t + q_offset[b] (decode).
       q_segment_ids: int [B, T] documents as contiguous runs; a query only scores compressed
         tokens and selects blocks from its own document (the run holding row 0 starts at 0).
-      implementation / interpret: see kernels._dispatch. block_q / block_n: kernel tiles.
+      implementation / interpret: see kernels._dispatch (None: the best for the platform the call
+        is lowered for). Under a mesh (jax.set_mesh) the Pallas kernels run in a shard_map: batch
+        over "data"/"fsdp"/"expert", KV heads over "tensor" (kernels._sharding); a "context" axis
+        > 1 is refused. block_q / block_n: kernel tiles.
 
     Returns block_indices [B, T, Hkv, n_selected] int32, ascending, -1 padding at the end (fewer
     candidates than n_selected). Ties: lower block index wins. No gradients (stop_gradient).
     """
     _validate(q, k_cmp, lse_cmp, seq_len, cmp_block_len, cmp_stride, block_size, n_selected,
               n_init, n_local, remap, scale, q_offset, q_segment_ids)
-    impl = _dispatch.resolve_implementation(_OP, implementation, interpret=interpret)
-    return select_blocks_unchecked(
-        q, k_cmp, lse_cmp, seq_len=seq_len, cmp_block_len=cmp_block_len, cmp_stride=cmp_stride,
-        block_size=block_size, n_selected=n_selected, n_init=n_init, n_local=n_local,
-        remap=remap, scale=scale, q_offset=q_offset, q_segment_ids=q_segment_ids,
-        implementation=impl, interpret=interpret, block_q=block_q, block_n=block_n)
+    selection = _dispatch.select(_OP, implementation, interpret=interpret)
+    return _select_blocks(
+        q, k_cmp, lse_cmp, selection, seq_len=seq_len, cmp_block_len=cmp_block_len,
+        cmp_stride=cmp_stride, block_size=block_size, n_selected=n_selected, n_init=n_init,
+        n_local=n_local, remap=remap, scale=scale, q_offset=q_offset,
+        q_segment_ids=q_segment_ids, interpret=interpret, block_q=block_q, block_n=block_n)
 
 
 def select_blocks_unchecked(q, k_cmp, lse_cmp, *, seq_len: int, cmp_block_len: int,
@@ -167,14 +196,26 @@ def select_blocks_unchecked(q, k_cmp, lse_cmp, *, seq_len: int, cmp_block_len: i
                             n_local: int, remap: str, scale: float | None, q_offset,
                             q_segment_ids, implementation: str, interpret: bool = False,
                             block_q: int | None = None, block_n: int | None = None):
-    """select_blocks without validation or backend check (internal; lowering tests)."""
+    """select_blocks running `implementation` on every platform, without validation or the
+    platform check (internal; the public function lowers for any platform)."""
+    _dispatch.check_name(_OP, implementation)
+    return _select_blocks(
+        q, k_cmp, lse_cmp, _dispatch.Selection.only(implementation), seq_len=seq_len,
+        cmp_block_len=cmp_block_len, cmp_stride=cmp_stride, block_size=block_size,
+        n_selected=n_selected, n_init=n_init, n_local=n_local, remap=remap, scale=scale,
+        q_offset=q_offset, q_segment_ids=q_segment_ids, interpret=interpret, block_q=block_q,
+        block_n=block_n)
+
+
+def _select_blocks(q, k_cmp, lse_cmp, selection, *, seq_len, cmp_block_len, cmp_stride,
+                   block_size, n_selected, n_init, n_local, remap, scale, q_offset,
+                   q_segment_ids, interpret, block_q, block_n):
     q, k_cmp, lse_cmp = (jax.lax.stop_gradient(x) for x in (q, k_cmp, lse_cmp))
     rm = Remap(remap, int(cmp_block_len), int(cmp_stride), int(block_size))
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-    scores = block_scores_unchecked(q, k_cmp, lse_cmp, seq_len=seq_len, remap=rm, scale=scale,
-                                    q_offset=q_offset, q_segment_ids=q_segment_ids,
-                                    implementation=implementation, interpret=interpret,
-                                    block_q=block_q, block_n=block_n)
+    scores = _block_scores(q, k_cmp, lse_cmp, selection, seq_len=seq_len, remap=rm, scale=scale,
+                           q_offset=q_offset, q_segment_ids=q_segment_ids, interpret=interpret,
+                           block_q=block_q, block_n=block_n)
     b, t = q.shape[:2]
     off = jnp.zeros((b,), jnp.int32) if q_offset is None else jnp.asarray(q_offset, jnp.int32)
     q_pos = jnp.arange(t, dtype=jnp.int32)[None, :] + off[:, None]
@@ -191,9 +232,10 @@ def block_scores(q, k_cmp, lse_cmp, *, seq_len: int, cmp_block_len: int = 32,
     """The per-group block scores [B, T, Hkv, nb] float32 that select_blocks ranks."""
     _validate(q, k_cmp, lse_cmp, seq_len, cmp_block_len, cmp_stride, block_size, 1, 0, 0, remap,
               scale, q_offset, q_segment_ids)
-    impl = _dispatch.resolve_implementation(_OP, implementation, interpret=interpret)
+    selection = _dispatch.select(_OP, implementation, interpret=interpret)
     rm = Remap(remap, int(cmp_block_len), int(cmp_stride), int(block_size))
-    return block_scores_unchecked(
+    return _block_scores(
         jax.lax.stop_gradient(q), jax.lax.stop_gradient(k_cmp), jax.lax.stop_gradient(lse_cmp),
-        seq_len=seq_len, remap=rm, scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
-        q_offset=q_offset, q_segment_ids=q_segment_ids, implementation=impl, interpret=interpret)
+        selection, seq_len=seq_len, remap=rm,
+        scale=float(q.shape[-1] ** -0.5 if scale is None else scale), q_offset=q_offset,
+        q_segment_ids=q_segment_ids, interpret=interpret, block_q=None, block_n=None)

@@ -25,8 +25,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
-from .. import _dispatch
+from .. import _dispatch, _sharding
 from . import pallas_gpu, pallas_tpu, xla
 from .reference import rms_inverse
 
@@ -36,9 +37,10 @@ _DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
-    implementation: str
+    selection: _dispatch.Selection      # implementation per lowering platform
     eps: float
     interpret: bool
+    shard: _sharding.ShardPlan | None   # the Pallas kernels' split over the mesh (None: direct)
 
 
 def depth_attention(queries: jax.Array, sources: jax.Array, n_valid=None, *, eps: float = 1e-6,
@@ -55,16 +57,36 @@ def depth_attention(queries: jax.Array, sources: jax.Array, n_valid=None, *, eps
         outside [1, S] is clipped to it, a concrete one raises).
       eps: RMSNorm epsilon.
       return_lse: also return the float32 log-sum-exp of the scores [Q, B, T].
-      implementation: None (best for the backend), "xla", "pallas_gpu" or "pallas_tpu".
+      implementation: None (best for the platform the call is lowered for, falling back to "xla"
+        when the kernel cannot take the shapes), "xla", "pallas_gpu" or "pallas_tpu" (explicit
+        choices raise when impossible; see kernels._dispatch). Under a mesh (jax.set_mesh) the
+        Pallas kernels run in a shard_map with the token axis N = B*T split over
+        "data"/"fsdp"/"expert" (kernels._sharding); a "context" axis > 1 is refused.
       interpret: run the Pallas kernel in interpret mode (any backend).
 
     Returns:
       o [Q, B, T, D] in sources' dtype, or (o, lse). Differentiable in queries and sources.
     """
-    impl = _dispatch.resolve_implementation(OP, implementation, interpret=interpret)
-    return _depth_attention_impl(queries, sources, n_valid, eps=eps, return_lse=return_lse,
-                                 implementation=impl, interpret=interpret,
-                                 automatic=implementation is None)
+    _dispatch.check_name(OP, implementation)
+    n = _validate(queries, sources, n_valid, eps)
+    S, D = sources.shape[0], sources.shape[-1]
+    lead = sources.shape[1:-1]
+
+    def unsupported(impl):
+        module = pallas_gpu if impl == "pallas_gpu" else pallas_tpu
+        return module.unsupported_reason(Q=queries.shape[0], S=S, D=D, dtype=sources.dtype)
+
+    selection = _dispatch.select(OP, implementation, interpret=interpret, unsupported=unsupported)
+    flat = sources.reshape(S, -1, D)
+    static = _Static(selection, float(eps), bool(interpret),
+                     _dispatch.shard_plan(OP, selection, batch=flat.shape[1]))
+    o, lse = _attend(queries, flat, n, static)
+    Q = queries.shape[0]
+    # The kernels return o in float32 (the backward's delta = dO . o then has no rounding error);
+    # the caller gets the sources' dtype.
+    o = o.reshape((Q,) + lead + (D,)).astype(sources.dtype)
+    lse = lse.reshape((Q,) + lead)
+    return (o, lse) if return_lse else o
 
 
 def merge_partial(o: jax.Array, lse: jax.Array, queries: jax.Array, partial: jax.Array,
@@ -97,57 +119,57 @@ def block_depth_attention(queries: jax.Array, blocks: jax.Array, n_finished, par
     return merge_partial(o, lse, queries, partial, has_partial, eps=eps)
 
 
-def _depth_attention_impl(queries, sources, n_valid=None, *, eps: float = 1e-6,
-                          return_lse: bool = False, implementation: str = "xla",
-                          interpret: bool = False, automatic: bool = False):
-    """depth_attention without the backend check: runs `implementation` as asked (used by the
-    lowering tests, which lower the GPU / TPU kernels from a CPU machine)."""
-    if implementation not in _dispatch.IMPLEMENTATIONS:
-        raise ValueError(f"{OP}: implementation={implementation!r} is not one of "
-                         f"{_dispatch.IMPLEMENTATIONS}")
-    n = _validate(queries, sources, n_valid, eps)
-    S, D = sources.shape[0], sources.shape[-1]
-    lead = sources.shape[1:-1]
-    if implementation != "xla":
-        module = pallas_gpu if implementation == "pallas_gpu" else pallas_tpu
-        reason = module.unsupported_reason(Q=queries.shape[0], S=S, D=D, dtype=sources.dtype)
-        if reason is not None:
-            if not automatic:
-                raise ValueError(f"{OP}: implementation={implementation!r} cannot run these "
-                                 f"shapes: {reason}. Use implementation=None or 'xla'.")
-            implementation = _dispatch.fall_back(OP, implementation, reason)
-    static = _Static(implementation, float(eps), bool(interpret))
-    flat = sources.reshape(S, -1, D)
-    o, lse = _attend(queries, flat, n, static)
-    Q = queries.shape[0]
-    # The kernels return o in float32 (the backward's delta = dO . o then has no rounding error);
-    # the caller gets the sources' dtype.
-    o = o.reshape((Q,) + lead + (D,)).astype(sources.dtype)
-    lse = lse.reshape((Q,) + lead)
-    return (o, lse) if return_lse else o
-
-
 # ----------------------------------------------------------------------------------------------
 # Custom VJP shared by every implementation.
 
-def _module(static: _Static):
-    return {"xla": xla, "pallas_gpu": pallas_gpu, "pallas_tpu": pallas_tpu}[static.implementation]
+_MODULES = {"xla": xla, "pallas_gpu": pallas_gpu, "pallas_tpu": pallas_tpu}
 
 
-def _kwargs(static: _Static):
-    kw = dict(eps=static.eps)
-    if static.implementation != "xla":
-        kw["interpret"] = static.interpret
-    return kw
+# Kernel layouts under a mesh: the token axis N (= B*T, batch-major) split over the batch axes;
+# queries, depth slots, D and n_valid whole on every device.
+def _fwd_specs(sh):
+    return (P(), sh.spec(None, "batch", None), P()), (sh.spec(None, "batch", None),
+                                                      sh.spec(None, "batch"))
+
+
+def _bwd_specs(sh):
+    tokens, rows = sh.spec(None, "batch", None), sh.spec(None, "batch")
+    return (P(), tokens, P(), tokens, rows, tokens, rows), (P(), tokens)
+
+
+def _forward(static: _Static, implementation, queries, sources, n_valid):
+    if implementation == "xla":
+        return xla.forward(queries, sources, n_valid, eps=static.eps)
+    kernel = functools.partial(_MODULES[implementation].forward, eps=static.eps,
+                               interpret=static.interpret)
+    return _sharding.run(static.shard, kernel, (queries, sources, n_valid), _fwd_specs)
+
+
+def _backward(static: _Static, implementation, queries, sources, n_valid, o, lse, do, delta):
+    if implementation == "xla":
+        return xla.backward(queries, sources, n_valid, o, lse, do, delta, eps=static.eps)
+    module = _MODULES[implementation]
+
+    def kernel(*args):
+        dq, ds = module.backward(*args, eps=static.eps, interpret=static.interpret)
+        if static.shard is not None and static.shard.batch:
+            # dq sums over tokens: add up the devices' partial sums.
+            dq = jax.lax.psum(dq, static.shard.batch)
+        return dq, ds
+
+    return _sharding.run(static.shard, kernel, (queries, sources, n_valid, o, lse, do, delta),
+                         _bwd_specs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _attend(queries, sources, n_valid, static: _Static):
-    return _module(static).forward(queries, sources, n_valid, **_kwargs(static))
+    return _dispatch.run(static.selection, functools.partial(_forward, static),
+                         queries, sources, n_valid)
 
 
 def _attend_fwd(queries, sources, n_valid, static):
-    o, lse = _module(static).forward(queries, sources, n_valid, **_kwargs(static))
+    o, lse = _dispatch.run(static.selection, functools.partial(_forward, static),
+                           queries, sources, n_valid)
     return (o, lse), (queries, sources, n_valid, o, lse)
 
 
@@ -156,8 +178,8 @@ def _attend_bwd(static, residuals, cotangents):
     do, dlse = cotangents
     do = do.astype(jnp.float32)
     delta = jnp.sum(do * o, axis=-1) - dlse
-    dq, ds = _module(static).backward(queries, sources, n_valid, o, lse, do, delta,
-                                      **_kwargs(static))
+    dq, ds = _dispatch.run(static.selection, functools.partial(_backward, static),
+                           queries, sources, n_valid, o, lse, do, delta)
     return dq.astype(queries.dtype), ds.astype(sources.dtype), None
 
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from aiinfra_jax.kernels import _dispatch
+from aiinfra_jax.kernels import _dispatch, _sharding
 from aiinfra_jax.kernels.flash_attention import xla as xla_impl
 from aiinfra_jax.kernels.flash_attention.mask import AttentionMask, visible_counts
 from aiinfra_jax.kernels.flash_attention.tuning import BlockSizes, default_block_sizes
@@ -24,13 +24,22 @@ _FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
-    """Everything static about one call (hashable; the custom_vjp's non-differentiable config)."""
+    """Everything static about one call (hashable; the custom_vjp's non-differentiable config).
 
-    implementation: str
+    selection: implementation per lowering platform (kernels/_dispatch.py); block_sizes: the
+    caller's tiles, or None for each implementation's defaults; shard: how the Pallas kernels are
+    split over the context mesh (kernels/_sharding.py), None to call them directly.
+    """
+
+    selection: _dispatch.Selection
     mask: AttentionMask
     scale: float
-    block_sizes: BlockSizes
+    block_sizes: BlockSizes | None
     interpret: bool
+    shard: _sharding.ShardPlan | None = None
+
+    def tiles(self, implementation: str) -> BlockSizes:
+        return self.block_sizes or default_block_sizes(implementation)
 
 
 def _module(implementation: str):
@@ -43,24 +52,56 @@ def _module(implementation: str):
     return xla_impl
 
 
-def _fwd_impl(st: _Static, q, k, v, q_seg, kv_seg, off):
-    bs = st.block_sizes
-    if st.implementation == "xla":
+# Kernel layouts under a mesh: batch over the batch axes, heads over "tensor"; the rest whole.
+_BTHD = ("batch", None, "heads", None)
+_BTH = ("batch", None, "heads")
+_BT = ("batch", None)
+
+
+def _fwd_specs(sh):
+    x, seg = sh.spec(*_BTHD), sh.spec(*_BT)
+    return (x, x, x, seg, seg, sh.spec("batch")), (x, sh.spec(*_BTH))
+
+
+def _bwd_specs(sh):
+    x, seg, rows = sh.spec(*_BTHD), sh.spec(*_BT), sh.spec(*_BTH)
+    return (x, x, x, seg, seg, sh.spec("batch"), rows, rows, x), (x, x, x)
+
+
+def _fwd_impl(st: _Static, implementation: str, q, k, v, q_seg, kv_seg, off):
+    bs = st.tiles(implementation)
+    if implementation == "xla":
         return xla_impl.flash_attention_fwd(q, k, v, q_seg, kv_seg, off, mask=st.mask,
                                             scale=st.scale, block_q=bs.block_q,
                                             block_k=bs.block_k)
-    return _module(st.implementation).flash_attention_fwd(
-        q, k, v, q_seg, kv_seg, off, mask=st.mask, scale=st.scale, block_q=bs.block_q,
-        block_k=bs.block_k, interpret=st.interpret)
+    kernel = functools.partial(_module(implementation).flash_attention_fwd, mask=st.mask,
+                               scale=st.scale, block_q=bs.block_q, block_k=bs.block_k,
+                               interpret=st.interpret)
+    return _sharding.run(st.shard, kernel, (q, k, v, q_seg, kv_seg, off), _fwd_specs)
+
+
+def _bwd_impl(st: _Static, implementation: str, q, k, v, q_seg, kv_seg, off, lse, delta, do):
+    bs = st.tiles(implementation)
+    if implementation == "xla":
+        return xla_impl.flash_attention_bwd(q, k, v, q_seg, kv_seg, off, lse, delta, do,
+                                            mask=st.mask, scale=st.scale,
+                                            block_sizes_dq=bs.dq, block_sizes_dkv=bs.dkv)
+    kernel = functools.partial(_module(implementation).flash_attention_bwd, mask=st.mask,
+                               scale=st.scale, block_sizes_dq=bs.dq, block_sizes_dkv=bs.dkv,
+                               interpret=st.interpret)
+    return _sharding.run(st.shard, kernel, (q, k, v, q_seg, kv_seg, off, lse, delta, do),
+                         _bwd_specs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(st: _Static, q, k, v, q_seg, kv_seg, off):
-    return _fwd_impl(st, q, k, v, q_seg, kv_seg, off)
+    return _dispatch.run(st.selection, functools.partial(_fwd_impl, st),
+                         q, k, v, q_seg, kv_seg, off)
 
 
 def _attention_fwd(st: _Static, q, k, v, q_seg, kv_seg, off):
-    o, lse = _fwd_impl(st, q, k, v, q_seg, kv_seg, off)
+    o, lse = _dispatch.run(st.selection, functools.partial(_fwd_impl, st),
+                           q, k, v, q_seg, kv_seg, off)
     return (o, lse), (q, k, v, q_seg, kv_seg, off, o, lse)
 
 
@@ -71,15 +112,8 @@ def _attention_bwd(st: _Static, res, cotangents):
     delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
     delta = delta - jnp.where(jnp.isfinite(lse), dlse.astype(jnp.float32), 0.0)
     do = do.astype(q.dtype)
-    bs = st.block_sizes
-    if st.implementation == "xla":
-        dq, dk, dv = xla_impl.flash_attention_bwd(
-            q, k, v, q_seg, kv_seg, off, lse, delta, do, mask=st.mask, scale=st.scale,
-            block_sizes_dq=bs.dq, block_sizes_dkv=bs.dkv)
-    else:
-        dq, dk, dv = _module(st.implementation).flash_attention_bwd(
-            q, k, v, q_seg, kv_seg, off, lse, delta, do, mask=st.mask, scale=st.scale,
-            block_sizes_dq=bs.dq, block_sizes_dkv=bs.dkv, interpret=st.interpret)
+    dq, dk, dv = _dispatch.run(st.selection, functools.partial(_bwd_impl, st),
+                               q, k, v, q_seg, kv_seg, off, lse, delta, do)
     return dq, dk, dv, None, None, None
 
 
@@ -180,8 +214,10 @@ def flash_attention(q, k, v, *, mask: AttentionMask = AttentionMask(), segment_i
       q_offset: int [B] or None (= 0): position of query row 0 (decode, chunked prefill).
       scale: logit scale, default Dk ** -0.5.
       return_lse: also return lse [B, T, Hq] float32 (natural log).
-      implementation: None (best available, see kernels._dispatch), "xla", "pallas_gpu",
-        "pallas_tpu".
+      implementation: None (best for the platform the call is lowered for, see kernels._dispatch),
+        "xla", "pallas_gpu", "pallas_tpu". Under a mesh (jax.set_mesh) the Pallas kernels run in a
+        shard_map: batch split over "data"/"fsdp"/"expert", KV heads over "tensor" (see
+        kernels._sharding); a "context" axis > 1 is refused.
       interpret: run a Pallas kernel in interpret mode (any backend).
       block_sizes: tile lengths (tuning.BlockSizes); default per implementation.
 
@@ -189,23 +225,27 @@ def flash_attention(q, k, v, *, mask: AttentionMask = AttentionMask(), segment_i
     lse = -inf, with zero (never NaN) gradients. Differentiable in q, k, v (and lse's cotangent).
     """
     _validate(q, k, v, mask, segment_ids, q_offset, scale, block_sizes)
-    impl = _dispatch.resolve_implementation(_OP, implementation, interpret=interpret)
-    if implementation is None and impl != "xla":
-        reason = supports(impl, q.shape, v.shape)
-        if reason is not None:
-            impl = _dispatch.fall_back(_OP, impl, reason)
-    return flash_attention_unchecked(q, k, v, mask=mask, segment_ids=segment_ids,
-                                     q_offset=q_offset, scale=scale, return_lse=return_lse,
-                                     implementation=impl, interpret=interpret,
-                                     block_sizes=block_sizes)
+    selection = _dispatch.select(_OP, implementation, interpret=interpret,
+                                 unsupported=lambda impl: supports(impl, q.shape, v.shape))
+    return _call(q, k, v, selection, mask=mask, segment_ids=segment_ids, q_offset=q_offset,
+                 scale=scale, return_lse=return_lse, interpret=interpret,
+                 block_sizes=block_sizes)
 
 
 def flash_attention_unchecked(q, k, v, *, mask: AttentionMask, segment_ids=None, q_offset=None,
                               scale: float | None = None, return_lse: bool = False,
                               implementation: str, interpret: bool = False,
                               block_sizes: BlockSizes | None = None):
-    """Internal entry: runs `implementation` without the backend check (lowering tests use it to
-    lower a Pallas kernel for another platform from a CPU machine). Inputs are not validated."""
+    """Internal entry: runs `implementation` on every platform without the platform check or
+    input validation (the public function is the one to use; it lowers for any platform)."""
+    _dispatch.check_name(_OP, implementation)
+    return _call(q, k, v, _dispatch.Selection.only(implementation), mask=mask,
+                 segment_ids=segment_ids, q_offset=q_offset, scale=scale, return_lse=return_lse,
+                 interpret=interpret, block_sizes=block_sizes)
+
+
+def _call(q, k, v, selection, *, mask, segment_ids, q_offset, scale, return_lse, interpret,
+          block_sizes):
     b, t = q.shape[:2]
     if segment_ids is None:
         q_seg = kv_seg = None
@@ -215,10 +255,10 @@ def flash_attention_unchecked(q, k, v, *, mask: AttentionMask, segment_ids=None,
         q_seg = kv_seg = jnp.asarray(segment_ids, jnp.int32)
     off = (jnp.zeros((b,), jnp.int32) if q_offset is None
            else jnp.asarray(q_offset, jnp.int32))
-    st = _Static(implementation=implementation, mask=mask,
+    st = _Static(selection=selection, mask=mask,
                  scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
-                 block_sizes=block_sizes or default_block_sizes(implementation),
-                 interpret=bool(interpret))
+                 block_sizes=block_sizes, interpret=bool(interpret),
+                 shard=_dispatch.shard_plan(_OP, selection, batch=b, heads=k.shape[2]))
     o, lse = _attention(st, q, k, v, q_seg, kv_seg, off)
     return (o, lse) if return_lse else o
 

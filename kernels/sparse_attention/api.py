@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _dispatch
+from .. import _dispatch, _sharding
 from . import pallas_gpu, pallas_tpu, xla
 
 OP = "sparse_attention"
@@ -30,10 +30,11 @@ _DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
-    implementation: str
+    selection: _dispatch.Selection      # implementation per lowering platform
     block_size: int
     scale: float
     interpret: bool
+    shard: _sharding.ShardPlan | None   # the Pallas kernels' split over the mesh (None: direct)
 
 
 def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, block_indices: jax.Array, *,
@@ -61,8 +62,11 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, block_indices: ja
       q_offset: int32 [B] position of query 0 in the key sequence (None = 0); lets decode (T = 1 at
         position p) use the op.
       return_lse: also return the float32 log-sum-exp of the logits [B, T, Hq].
-      implementation: None (best for the backend, falling back to "xla" when the kernel cannot take
-        the shapes), "xla", "pallas_gpu" or "pallas_tpu" (explicit choices raise when impossible).
+      implementation: None (best for the platform the call is lowered for, falling back to "xla"
+        when the kernel cannot take the shapes), "xla", "pallas_gpu" or "pallas_tpu" (explicit
+        choices raise when impossible; see kernels._dispatch). Under a mesh (jax.set_mesh) the
+        Pallas kernels run in a shard_map: batch over "data"/"fsdp"/"expert", KV heads over
+        "tensor" (kernels._sharding); a "context" axis > 1 is refused.
       interpret: run the Pallas kernel in interpret mode (any backend).
 
     Returns:
@@ -72,52 +76,25 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, block_indices: ja
     Differentiable in q, k, v (custom VJP saving o and lse; no gradient to the indices, segment ids
     or offsets).
     """
-    impl = _dispatch.resolve_implementation(OP, implementation, interpret=interpret)
-    return _sparse_attention_impl(q, k, v, block_indices, block_size=block_size, scale=scale,
-                                  causal=causal, segment_ids=segment_ids, q_offset=q_offset,
-                                  return_lse=return_lse, implementation=impl,
-                                  interpret=interpret, automatic=implementation is None)
-
-
-def _sparse_attention_impl(q, k, v, block_indices, *, block_size: int, scale: float | None = None,
-                           causal: bool = True, segment_ids=None, q_offset=None,
-                           return_lse: bool = False, implementation: str = "xla",
-                           interpret: bool = False, automatic: bool = False):
-    """sparse_attention without the backend check: runs `implementation` as asked (used by the
-    lowering tests, which lower the GPU / TPU kernels from a CPU machine)."""
-    if implementation not in _dispatch.IMPLEMENTATIONS:
-        raise ValueError(f"{OP}: implementation={implementation!r} is not one of "
-                         f"{_dispatch.IMPLEMENTATIONS}")
+    _dispatch.check_name(OP, implementation)
     q_seg, kv_seg = _validate(q, k, v, block_indices, block_size, scale, segment_ids, q_offset)
+    G, Dk, Dv = q.shape[2] // k.shape[2], q.shape[3], v.shape[3]
+
+    def unsupported(impl):
+        module = pallas_gpu if impl == "pallas_gpu" else pallas_tpu
+        return module.unsupported_reason(G=G, Dk=Dk, Dv=Dv, block_size=block_size, dtype=q.dtype)
+
+    selection = _dispatch.select(OP, implementation, interpret=interpret, unsupported=unsupported)
     B, T, Hq, Dk = q.shape
-    S, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    S, Hkv = k.shape[1], k.shape[2]
     scale = float(Dk ** -0.5 if scale is None else scale)
-
-    if implementation != "xla":
-        module = pallas_gpu if implementation == "pallas_gpu" else pallas_tpu
-        reason = module.unsupported_reason(G=Hq // Hkv, Dk=Dk, Dv=Dv, block_size=block_size,
-                                           dtype=q.dtype)
-        if reason is not None:
-            if not automatic:
-                raise ValueError(f"{OP}: implementation={implementation!r} cannot run these "
-                                 f"shapes: {reason}. Use implementation=None or 'xla'.")
-            implementation = _dispatch.fall_back(OP, implementation, reason)
-
     limit = query_limits(B, T, S, causal=causal, q_offset=q_offset)
     idx = normalize_indices(block_indices, S=S, block_size=block_size)
     # A block that starts past the query's last visible key is empty: drop it here so that no
     # implementation loads it (and the dK / dV query lists get shorter).
     idx = jnp.where(idx * block_size <= limit[:, :, None, None], idx, -1)
-    static = _Static(implementation, int(block_size), scale, bool(interpret))
-    if implementation != "xla":
-        # The kernels read whole blocks: pad the keys up to NB * P (padding is never visible,
-        # since limit <= S - 1); the gradient of jnp.pad slices dK, dV back.
-        pad = -(-S // block_size) * block_size - S
-        if pad:
-            k = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
-            v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
-            if kv_seg is not None:
-                kv_seg = jnp.pad(kv_seg, ((0, 0), (0, pad)), constant_values=-1)
+    static = _Static(selection, int(block_size), scale, bool(interpret),
+                     _dispatch.shard_plan(OP, selection, batch=B, heads=Hkv))
     o, lse = _attend(q, k, v, idx, limit, q_seg, kv_seg, static)
     return (o, lse) if return_lse else o
 
@@ -125,24 +102,67 @@ def _sparse_attention_impl(q, k, v, block_indices, *, block_size: int, scale: fl
 # ----------------------------------------------------------------------------------------------
 # Custom VJP shared by every implementation.
 
-def _module(static: _Static):
-    return {"xla": xla, "pallas_gpu": pallas_gpu, "pallas_tpu": pallas_tpu}[static.implementation]
+_MODULES = {"xla": xla, "pallas_gpu": pallas_gpu, "pallas_tpu": pallas_tpu}
+# Kernel layouts under a mesh: batch over the batch axes, KV heads over "tensor"; the rest whole.
+_BTHD = ("batch", None, "heads", None)
 
 
-def _kwargs(static: _Static):
+def _fwd_specs(sh):
+    x, rows = sh.spec(*_BTHD), sh.spec("batch", None)
+    return (x, x, x, x, rows, rows, rows), (x, sh.spec("batch", None, "heads"))
+
+
+def _bwd_specs(sh):
+    x, rows, lse = sh.spec(*_BTHD), sh.spec("batch", None), sh.spec("batch", None, "heads")
+    return (x, x, x, x, rows, rows, rows, x, lse, x, lse), (x, x, x)
+
+
+def _pad_keys(k, v, kv_seg, block_size):
+    """The kernels read whole blocks: keys padded up to NB * P (padding is never visible, since
+    limit <= S - 1)."""
+    S = k.shape[1]
+    pad = -(-S // block_size) * block_size - S
+    if pad:
+        k = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        if kv_seg is not None:
+            kv_seg = jnp.pad(kv_seg, ((0, 0), (0, pad)), constant_values=-1)
+    return k, v, kv_seg
+
+
+def _forward(static: _Static, implementation, q, k, v, idx, limit, q_seg, kv_seg):
     kw = dict(block_size=static.block_size, scale=static.scale)
-    if static.implementation != "xla":
-        kw["interpret"] = static.interpret
-    return kw
+    if implementation == "xla":
+        return xla.forward(q, k, v, idx, limit, q_seg, kv_seg, **kw)
+    kernel = functools.partial(_MODULES[implementation].forward, interpret=static.interpret, **kw)
+    k, v, kv_seg = _pad_keys(k, v, kv_seg, static.block_size)
+    return _sharding.run(static.shard, kernel, (q, k, v, idx, limit, q_seg, kv_seg), _fwd_specs)
+
+
+def _backward(static: _Static, implementation, q, k, v, idx, limit, q_seg, kv_seg, o, lse, do,
+              delta):
+    kw = dict(block_size=static.block_size, scale=static.scale)
+    if implementation == "xla":
+        return xla.backward(q, k, v, idx, limit, q_seg, kv_seg, o, lse, do, delta, **kw)
+    kernel = functools.partial(_MODULES[implementation].backward, interpret=static.interpret,
+                               **kw)
+    S = k.shape[1]
+    kp, vp, kv_seg = _pad_keys(k, v, kv_seg, static.block_size)
+    dq, dk, dv = _sharding.run(static.shard, kernel,
+                               (q, kp, vp, idx, limit, q_seg, kv_seg, o, lse, do, delta),
+                               _bwd_specs)
+    return dq, dk[:, :S], dv[:, :S]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _attend(q, k, v, idx, limit, q_seg, kv_seg, static: _Static):
-    return _module(static).forward(q, k, v, idx, limit, q_seg, kv_seg, **_kwargs(static))
+    return _dispatch.run(static.selection, functools.partial(_forward, static),
+                         q, k, v, idx, limit, q_seg, kv_seg)
 
 
 def _attend_fwd(q, k, v, idx, limit, q_seg, kv_seg, static):
-    o, lse = _module(static).forward(q, k, v, idx, limit, q_seg, kv_seg, **_kwargs(static))
+    o, lse = _dispatch.run(static.selection, functools.partial(_forward, static),
+                           q, k, v, idx, limit, q_seg, kv_seg)
     return (o, lse), (q, k, v, idx, limit, q_seg, kv_seg, o, lse)
 
 
@@ -151,8 +171,9 @@ def _attend_bwd(static, residuals, cotangents):
     do, dlse = cotangents
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
     delta = delta - jnp.where(jnp.isfinite(lse), dlse, 0.0)
-    dq, dk, dv = _module(static).backward(q, k, v, idx, limit, q_seg, kv_seg, o, lse,
-                                          do.astype(q.dtype), delta, **_kwargs(static))
+    dq, dk, dv = _dispatch.run(static.selection, functools.partial(_backward, static),
+                               q, k, v, idx, limit, q_seg, kv_seg, o, lse, do.astype(q.dtype),
+                               delta)
     return dq, dk, dv, None, None, None, None
 
 

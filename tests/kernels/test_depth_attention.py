@@ -21,7 +21,6 @@ from aiinfra_jax.kernels.depth_attention import (block_depth_attention,
                                                  block_depth_attention_reference, depth_attention,
                                                  depth_attention_reference, merge_partial,
                                                  merge_partial_reference)
-from aiinfra_jax.kernels.depth_attention.api import _depth_attention_impl
 
 
 def _seed() -> int:
@@ -66,9 +65,9 @@ def test_parity_with_reference(implementation, case):
     expected = _run(lambda q, s: depth_attention_reference(q, s.astype(jnp.float32), n),
                     q, src, do, dlse)
     native = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}.get(implementation) == jax.default_backend()
-    actual = _run(lambda q, s: _depth_attention_impl(q, s, n, return_lse=True,
-                                                     implementation=implementation,
-                                                     interpret=not native), q, src, do, dlse)
+    actual = _run(lambda q, s: depth_attention(q, s, n, return_lse=True,
+                                               implementation=implementation,
+                                               interpret=not native), q, src, do, dlse)
     where = f"{implementation}/{case} seed={seed}"
     for name, a, e in zip(("o", "lse", "dq", "dsources"), actual, expected):
         _testing.assert_close(a, e, dtype, what=f"{where}: {name}")
@@ -81,8 +80,8 @@ def test_zero_queries_give_exactly_the_uniform_average():
     seed = _seed()
     q, src, _, _ = _inputs(seed, Q=2, S=6, B=2, T=3, D=32, dtype=jnp.float32, n_valid=4)
     for impl, interp in (("xla", False), ("pallas_tpu", True)):
-        o = jax.jit(lambda q, s: _depth_attention_impl(q, s, 4, implementation=impl,
-                                                       interpret=interp))(jnp.zeros_like(q), src)
+        o = jax.jit(lambda q, s: depth_attention(q, s, 4, implementation=impl,
+                                                 interpret=interp))(jnp.zeros_like(q), src)
         mean = jnp.mean(src[:4], axis=0)
         np.testing.assert_allclose(o[0], mean, rtol=1e-6, atol=1e-6,
                                    err_msg=f"{impl} seed={seed}")
@@ -156,8 +155,7 @@ def test_traced_n_valid_under_jit_and_general_leading_shape():
 # ----------------------------------------------------------------------------------------------
 # Lowering for the targets from the CPU machine (nothing runs; inputs are ShapeDtypeStructs).
 
-_PLATFORM = {"pallas_gpu": "cuda", "pallas_tpu": "tpu"}
-_CUSTOM_CALL = {"pallas_gpu": "__gpu", "pallas_tpu": "tpu_custom_call"}
+_CUSTOM_CALL = {"cuda": "__gpu", "tpu": "tpu_custom_call"}
 _SHAPES = {  # (Q, S, B, T, D, dtype)
     "small_q3_f32": (3, 5, 1, 7, 64, jnp.float32),
     "full_deep_bf16": (1, 65, 2, 2048, 2048, jnp.bfloat16),     # 32 layers, d_model 2048
@@ -166,13 +164,14 @@ _SHAPES = {  # (Q, S, B, T, D, dtype)
 
 @pytest.mark.parametrize("shape", list(_SHAPES))
 @pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
-@pytest.mark.parametrize("implementation", ["pallas_gpu", "pallas_tpu"])
-def test_kernels_lower(implementation, backward, shape):
+@pytest.mark.parametrize("platform", ["cuda", "tpu", "cpu"])
+def test_kernels_lower(platform, backward, shape):
+    """implementation=None lowers the platform's kernel for cuda / tpu and the XLA path for cpu."""
     Q, S, B, T, D, dtype = _SHAPES[shape]
     sd = jax.ShapeDtypeStruct
 
     def attend(q, s, n):
-        return _depth_attention_impl(q, s, n, return_lse=True, implementation=implementation)
+        return depth_attention(q, s, n, return_lse=True)
 
     def loss(q, s, n):
         o, lse = attend(q, s, n)
@@ -180,11 +179,11 @@ def test_kernels_lower(implementation, backward, shape):
 
     fn = jax.grad(loss, argnums=(0, 1)) if backward else attend
     text = jax.jit(fn).trace(sd((Q, D), jnp.float32), sd((S, B, T, D), dtype),
-                             sd((), jnp.int32)).lower(
-        lowering_platforms=(_PLATFORM[implementation],)).as_text()
+                             sd((), jnp.int32)).lower(lowering_platforms=(platform,)).as_text()
     calls = [c for c in re.findall(r"custom_call @(\w+)", text)
-             if c == _CUSTOM_CALL[implementation]]
-    assert len(calls) == (2 if backward else 1), (implementation, shape, calls)
+             if c in _CUSTOM_CALL.values()]
+    want = 0 if platform == "cpu" else 2 if backward else 1
+    assert calls == [_CUSTOM_CALL.get(platform)] * want, (platform, shape, calls)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -195,12 +194,19 @@ def _small():
     return q, src
 
 
+def _lowered(fn, platform, *args) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
 def test_default_implementation_and_explicit_choices():
     q, src = _small()
-    on_accelerator = jax.default_backend() in ("gpu", "tpu")
-    uses = "pallas_call" in str(jax.make_jaxpr(lambda q, s: depth_attention(q, s))(q, src))
-    assert uses == on_accelerator
-    for impl in ("pallas_gpu", "pallas_tpu"):
+    auto = _lowered(lambda q, s: depth_attention(q, s), "cpu", q, src)
+    assert not any(c in auto for c in _CUSTOM_CALL.values())           # XLA on CPU
+    for impl, own, other in (("pallas_gpu", "cuda", "tpu"), ("pallas_tpu", "tpu", "cuda")):
+        fn = lambda q, s: depth_attention(q, s, implementation=impl)    # noqa: B023
+        assert _CUSTOM_CALL[own] in _lowered(fn, own, q, src)
+        with pytest.raises(ValueError, match=f"{impl}.*{other}"):
+            _lowered(fn, other, q, src)
         if {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}[impl] != jax.default_backend():
             with pytest.raises(ValueError, match=impl):
                 depth_attention(q, src, implementation=impl)
@@ -214,10 +220,10 @@ def test_unsupported_shape_raises_when_explicit_and_falls_back_when_automatic(ca
     with pytest.raises(ValueError, match="power of two"):
         depth_attention(q, src, implementation="pallas_gpu", interpret=True)
     with caplog.at_level(logging.WARNING):
-        jaxpr = jax.make_jaxpr(lambda q, s: _depth_attention_impl(
-            q, s, implementation="pallas_gpu", automatic=True))(q, src)
-    assert "pallas_call" not in str(jaxpr)
-    assert "pallas_gpu" in caplog.text and "XLA" in caplog.text
+        text = _lowered(lambda q, s: depth_attention(q, s), "cuda", q, src)
+    assert _CUSTOM_CALL["cuda"] not in text
+    assert "pallas_gpu cannot run here" in caplog.text and "XLA implementation on cuda" in \
+        caplog.text
 
 
 @pytest.mark.parametrize("changes,pattern", [

@@ -21,7 +21,6 @@ from aiinfra_jax.kernels import _testing
 from aiinfra_jax.kernels.sparse_attention import (sparse_attention, sparse_attention_bytes,
                                                   sparse_attention_flops,
                                                   sparse_attention_reference)
-from aiinfra_jax.kernels.sparse_attention.api import _sparse_attention_impl
 
 
 def _inputs(rng, *, B, T, S, Hkv, G, Dk, Dv, P, n, dtype, seg, q_offset):
@@ -109,7 +108,7 @@ def _check_parity(implementation, case):
                     q, k, v, do)
     # Interpret mode except on the kernel's own backend (JAX_PLATFORMS=cuda / tpu runs it for real).
     native = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}.get(implementation) == jax.default_backend()
-    actual = _run(lambda q, k, v: _sparse_attention_impl(
+    actual = _run(lambda q, k, v: sparse_attention(
         q, k, v, idx, return_lse=True, implementation=implementation, interpret=not native, **kw),
         q, k, v, do)
     where = f"{implementation}/{case} seed={seed}"
@@ -172,29 +171,42 @@ def _small(P=8):
     return q, k, v, idx
 
 
-def _uses_pallas(fn, *args) -> bool:
-    return "pallas_call" in str(jax.make_jaxpr(fn)(*args))
+_KERNEL_CALL = {"cuda": "custom_call @__gpu", "tpu": "custom_call @tpu_custom_call"}
 
 
-def test_default_implementation_on_cpu_is_xla():
-    q, k, v, idx = _small()
-    on_accelerator = jax.default_backend() in ("gpu", "tpu")       # the suite runs on CPU
-    # block 8 is below both kernels' minimum: XLA on every backend.
-    assert not _uses_pallas(lambda *a: sparse_attention(*a, block_size=8), q, k, v, idx)
+def _lowered(fn, platform, *args) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+def _uses_kernel(fn, platform, *args) -> bool:
+    text = _lowered(fn, platform, *args)
+    return any(call in text for call in _KERNEL_CALL.values())
+
+
+def test_default_implementation_follows_the_lowering_platform():
     q, k, v, idx = _small(P=16)
-    assert _uses_pallas(lambda *a: sparse_attention(*a, block_size=16), q, k, v,
-                        idx) == on_accelerator
-    assert _uses_pallas(lambda *a: sparse_attention(*a, block_size=16, implementation="pallas_tpu",
-                                                    interpret=True), q, k, v, idx)
+    auto = lambda *a: sparse_attention(*a, block_size=16)
+    assert not _uses_kernel(auto, "cpu", q, k, v, idx)
+    for platform, call in _KERNEL_CALL.items():
+        assert call in _lowered(auto, platform, q, k, v, idx), platform
+    interpreted = lambda *a: sparse_attention(*a, block_size=16, implementation="pallas_tpu",
+                                              interpret=True)
+    assert "pallas_call" in str(jax.make_jaxpr(interpreted)(q, k, v, idx))
 
 
 @pytest.mark.parametrize("implementation", ["pallas_gpu", "pallas_tpu"])
-def test_explicit_pallas_on_other_backend_without_interpret_raises(implementation):
+def test_explicit_pallas_on_other_platform_without_interpret_raises(implementation):
     q, k, v, idx = _small(P=16)
+    own = {"pallas_gpu": "cuda", "pallas_tpu": "tpu"}[implementation]
+    fn = lambda *a: sparse_attention(*a, block_size=16, implementation=implementation)
+    assert _KERNEL_CALL[own] in _lowered(fn, own, q, k, v, idx)     # its own platform, from CPU
+    other = {"cuda": "tpu", "tpu": "cuda"}[own]
+    with pytest.raises(ValueError, match=f"{implementation}.*{other}"):
+        _lowered(fn, other, q, k, v, idx)
     if {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}[implementation] == jax.default_backend():
         sparse_attention(q, k, v, idx, block_size=16, implementation=implementation)
         return
-    with pytest.raises(ValueError, match=implementation):
+    with pytest.raises(ValueError, match=implementation):           # eager call on this backend
         sparse_attention(q, k, v, idx, block_size=16, implementation=implementation)
 
 
@@ -202,11 +214,14 @@ def test_explicit_kernel_that_cannot_take_shapes_raises_and_automatic_falls_back
     q, k, v, idx = _small()
     with pytest.raises(ValueError, match="block_size"):
         sparse_attention(q, k, v, idx, block_size=8, implementation="pallas_gpu", interpret=True)
+    # block 8 is below both kernels' minimum: XLA on every platform, said in the log when lowered.
     with caplog.at_level(logging.WARNING):
-        fn = lambda *a: _sparse_attention_impl(*a, block_size=8, implementation="pallas_gpu",
-                                               automatic=True)
-        assert not _uses_pallas(fn, q, k, v, idx)
-    assert "pallas_gpu" in caplog.text and "XLA" in caplog.text
+        for platform in _KERNEL_CALL:
+            assert not _uses_kernel(lambda *a: sparse_attention(*a, block_size=8), platform,
+                                    q, k, v, idx)
+    for impl, platform in (("pallas_gpu", "cuda"), ("pallas_tpu", "tpu")):
+        assert f"{impl} cannot run here" in caplog.text and f"XLA implementation on {platform}" \
+            in caplog.text
 
 
 def test_unknown_implementation_raises():

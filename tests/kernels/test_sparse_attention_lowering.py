@@ -3,7 +3,9 @@ backward, at a small shape and at the benchmark shape (B=1, T=S=65536, Hq=16, Hk
 block 64, n=16). Inputs are jax.ShapeDtypeStruct, so nothing is allocated.
 
 Lowering runs the Pallas -> Triton / Mosaic lowering, which catches a kernel that could never
-compile on its target (unsupported ops, block shapes, dtypes); it does not run the kernel.
+compile on its target (unsupported ops, block shapes, dtypes); it does not run the kernel. The
+public sparse_attention with implementation=None picks the kernel from the lowering platform
+(kernels._dispatch): the Triton kernel for cuda, the Mosaic kernel for tpu, the XLA path for cpu.
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from aiinfra_jax.kernels.sparse_attention.api import _sparse_attention_impl
+from aiinfra_jax.kernels.sparse_attention import sparse_attention
 
-_PLATFORM = {"pallas_gpu": "cuda", "pallas_tpu": "tpu"}
-_CUSTOM_CALL = {"pallas_gpu": "__gpu", "pallas_tpu": "tpu_custom_call"}
+# lowering platform -> the custom call its Pallas kernels become
+_CUSTOM_CALL = {"cuda": "__gpu", "tpu": "tpu_custom_call", "cpu": None}
 # name: (B, T, S, Hq, Hkv, Dk, Dv, block_size, n, dtype, segments, q_offset, causal)
 _SHAPES = {
     "small_segments": (2, 40, 56, 4, 2, 16, 32, 16, 3, jnp.float32, True, False, False),
@@ -26,7 +28,7 @@ _SHAPES = {
 }
 
 
-def _lower(implementation, shape, backward):
+def _lower(platform, shape, backward):
     B, T, S, Hq, Hkv, Dk, Dv, P, n, dtype, segments, offset, causal = _SHAPES[shape]
     sd = jax.ShapeDtypeStruct
     args = [sd((B, T, Hq, Dk), dtype), sd((B, S, Hkv, Dk), dtype), sd((B, S, Hkv, Dv), dtype),
@@ -41,9 +43,8 @@ def _lower(implementation, shape, backward):
         rest = list(rest)
         seg = (rest.pop(0), rest.pop(0)) if segments else None
         off = rest.pop(0) if offset else None
-        o, lse = _sparse_attention_impl(q, k, v, idx, block_size=P, causal=causal,
-                                        segment_ids=seg, q_offset=off, return_lse=True,
-                                        implementation=implementation)
+        o, lse = sparse_attention(q, k, v, idx, block_size=P, causal=causal, segment_ids=seg,
+                                  q_offset=off, return_lse=True)
         return o, lse
 
     def loss(q, k, v, *rest):
@@ -51,17 +52,22 @@ def _lower(implementation, shape, backward):
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
 
     fn = jax.grad(loss, argnums=(0, 1, 2)) if backward else attend
-    lowered = jax.jit(fn).trace(*args, *extra).lower(
-        lowering_platforms=(_PLATFORM[implementation],))
+    lowered = jax.jit(fn).trace(*args, *extra).lower(lowering_platforms=(platform,))
     return lowered.as_text()
 
 
 @pytest.mark.parametrize("shape", list(_SHAPES))
 @pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
-@pytest.mark.parametrize("implementation", ["pallas_gpu", "pallas_tpu"])
-def test_kernels_lower(implementation, backward, shape):
-    text = _lower(implementation, shape, backward)
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_kernels_lower(platform, backward, shape):
+    text = _lower(platform, shape, backward)
     calls = re.findall(r"custom_call @(\w+)", text)
-    kernels = [c for c in calls if c == _CUSTOM_CALL[implementation]]
+    kernels = [c for c in calls if c == _CUSTOM_CALL[platform]]
     # forward: one kernel; backward: forward (residuals) + dQ + dK/dV.
-    assert len(kernels) == (3 if backward else 1), (implementation, shape, calls)
+    assert len(kernels) == (3 if backward else 1), (platform, shape, calls)
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
+def test_cpu_lowering_is_xla(backward):
+    calls = re.findall(r"custom_call @(\w+)", _lower("cpu", "small_segments", backward))
+    assert not {"__gpu", "tpu_custom_call"} & set(calls), calls
