@@ -23,8 +23,10 @@ Failure modes (never a silent start from scratch):
   there is created, saved or deleted;
 - a committed step with missing or corrupt files -> ``CorruptCheckpointError`` (a ``RuntimeError``)
   naming the step folder and the fix;
-- a saved config whose ``model`` section differs from the current one -> ``IncompatibleCheckpointError``
-  (a ``ValueError``) listing each differing key with its old and new value;
+- a saved config whose ``model`` section differs from the current one in what defines the trained
+  function -> ``IncompatibleCheckpointError`` (a ``ValueError``) listing each differing key with its
+  old and new value (run-time settings such as the kernel implementation or remat may differ; the
+  differences are logged);
 - a saved state whose tree structure, shapes or dtypes differ from ``abstract_state`` ->
   ``IncompatibleCheckpointError`` naming the first mismatching path.
 
@@ -38,11 +40,13 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+from aiinfra_jax.config import canonical_section, runtime_keys
 
 __all__ = [
     "Checkpointer",
@@ -102,9 +106,19 @@ def _flatten_dict(value: Any, prefix: str) -> dict[str, Any]:
     return {prefix: value}
 
 
-def config_differences(saved_config: dict, config: dict, sections: Sequence[str]) -> list[str]:
+def _canonical(config: dict, section: str) -> Any:
+    """``config[section]`` as this version writes it (``canonical_section``), so a checkpoint from
+    before a setting was added or renamed compares equal where nothing really changed."""
+    value = config.get(section, _MISSING)
+    return canonical_section(section, value) if isinstance(value, dict) else value
+
+
+def config_differences(saved_config: dict, config: dict, sections: Sequence[str], *,
+                       skip: Collection[str] = (), only: Collection[str] | None = None
+                       ) -> list[str]:
     """One line per dotted key of ``sections`` whose value differs between ``saved_config`` and
-    ``config`` (compared after a JSON round trip, so a tuple equals the list it was saved as)."""
+    ``config`` (compared after a JSON round trip, so a tuple equals the list it was saved as);
+    keys in ``skip`` are left out, and with ``only`` just those keys are compared."""
     if isinstance(sections, str):
         raise TypeError(f"sections must be a sequence of section names, got the string {sections!r}")
     saved = _json_normalise(saved_config)
@@ -115,9 +129,11 @@ def config_differences(saved_config: dict, config: dict, sections: Sequence[str]
         )
     diffs: list[str] = []
     for section in sections:
-        old = _flatten_dict(saved.get(section, _MISSING), section)
-        new = _flatten_dict(current.get(section, _MISSING), section)
+        old = _flatten_dict(_canonical(saved, section), section)
+        new = _flatten_dict(_canonical(current, section), section)
         for key in sorted(set(old) | set(new)):
+            if key in skip or (only is not None and key not in only):
+                continue
             old_value, new_value = old.get(key, _MISSING), new.get(key, _MISSING)
             if old_value != new_value:
                 diffs.append(f"  {key}: checkpoint {old_value!r}, current {new_value!r}")
@@ -131,12 +147,19 @@ def check_compatible(
     *,
     source: str = "the checkpoint",
 ) -> None:
-    """Raises ``IncompatibleCheckpointError`` if ``saved_config`` and ``config`` differ in ``sections``.
+    """Raises ``IncompatibleCheckpointError`` if ``saved_config`` and ``config`` differ in ``sections``
+    in anything but run-time settings (``runtime_keys``: kernel implementation, remat, compute
+    dtype, ...), whose differences are logged instead.
 
     The error lists every differing dotted key (``config_differences``) with its saved
     ("checkpoint") and current value; ``source`` names where ``saved_config`` came from.
     """
-    diffs = config_differences(saved_config, config, sections)
+    runtime = runtime_keys()
+    allowed = config_differences(saved_config, config, sections, only=runtime)
+    if allowed:
+        logger.warning("%s: run-time settings differ from the saved ones (allowed):\n%s", source,
+                       "\n".join(allowed))
+    diffs = config_differences(saved_config, config, sections, skip=runtime)
     if diffs:
         raise IncompatibleCheckpointError(
             f"{source} was written with a different {'/'.join(sections)} config than the current run; "
@@ -440,48 +463,11 @@ class Checkpointer:
         ``IncompatibleCheckpointError`` for a config or tree mismatch and
         ``CorruptCheckpointError`` for unreadable files.
         """
-        self.wait()
-        steps = self.all_steps()
-        if step is None:
-            if not steps:
-                raise self._no_checkpoint()
-            step = steps[-1]
-        elif step not in steps:
-            raise ValueError(
-                f"no committed checkpoint for step {step} in {self.directory}; available steps: "
-                f"{steps or 'none'}"
-            )
+        step, saved_config = self._checked_step(step, compare)
         wanted = _to_abstract(abstract_state)
+        self._check_structure(step, wanted, partial=False)
 
-        # 1. The config (small, and it decides whether the rest is worth reading).
-        try:
-            saved_config = self._manager.restore(
-                step, args=ocp.args.Composite(**{_ITEM_CONFIG: ocp.args.JsonRestore()})
-            )[_ITEM_CONFIG]
-        except Exception as e:  # orbax/tensorstore raise many types; all mean "cannot read"
-            raise self._corrupt(step, "cannot read its 'config' item", e) from e
-        if not isinstance(saved_config, dict):
-            raise self._corrupt(step, f"its 'config' item is a {type(saved_config).__name__}, not a dict")
-        check_compatible(saved_config, self._config, compare,
-                         source=f"checkpoint step {step} at {self._step_dir(step)}")
-
-        # 2. The state's tree structure, shapes and dtypes, from orbax's metadata.
-        try:
-            metadata = self._manager.item_metadata(step)[_ITEM_STATE]
-        except Exception as e:
-            raise self._corrupt(step, "cannot read the metadata of its 'state' item", e) from e
-        if metadata is None:
-            raise self._corrupt(step, "the metadata of its 'state' item (state/_METADATA) is missing")
-        saved_leaves = _flatten_by_path(getattr(metadata, "tree", metadata))
-        mismatch = _first_structure_mismatch(saved_leaves, _flatten_by_path(wanted))
-        if mismatch is not None:
-            raise IncompatibleCheckpointError(
-                f"checkpoint step {step} at {self._step_dir(step)} does not match the state to restore "
-                f"into: {mismatch}.\nFix: build the model/optimizer with the settings the checkpoint "
-                "was written with, or start in a fresh checkpoint directory."
-            )
-
-        # 3. The arrays and the data-pipeline state.
+        # The arrays and the data-pipeline state.
         try:
             restored = self._manager.restore(
                 step,
@@ -499,3 +485,78 @@ class Checkpointer:
             raise self._corrupt(step, "its 'data' item has no 'data_state' entry")
         logger.info("restored checkpoint step %d from %s", step, self.directory)
         return restored[_ITEM_STATE], data_item["data_state"], saved_config
+
+    def restore_subtree(self, abstract_subtree: Any, step: int | None = None, *,
+                        compare: Sequence[str] = ("model",)) -> tuple[Any, dict]:
+        """Restores only part of the saved state, ``(subtree, saved_config)``: ``abstract_subtree``
+        names the top-level entries wanted (e.g. ``{"params": ...}`` for inference: the optimizer
+        state is never read). Same checks and errors as ``restore`` for what it reads."""
+        step, saved_config = self._checked_step(step, compare)
+        wanted = _to_abstract(abstract_subtree)
+        self._check_structure(step, wanted, partial=True)
+        restore_args = jax.tree.map(
+            lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape,
+                                           dtype=s.dtype), wanted)
+        try:
+            with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
+                subtree = reader.restore(
+                    self._step_dir(step) / _ITEM_STATE,
+                    args=ocp.args.PyTreeRestore(wanted, restore_args=restore_args,
+                                                partial_restore=True))
+        except Exception as e:
+            raise self._corrupt(step, "cannot read its 'state' item", e) from e
+        logger.info("restored %s of checkpoint step %d from %s", sorted(wanted), step,
+                    self.directory)
+        return subtree, saved_config
+
+    def saved_config(self, step: int | None = None) -> tuple[int, dict]:
+        """(step, the config saved with it) of ``step`` (default: the latest), nothing compared."""
+        return self._checked_step(step, ())
+
+    def _checked_step(self, step: int | None, compare: Sequence[str]) -> tuple[int, dict]:
+        """(the step to restore, its saved config), after the config check."""
+        self.wait()
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise self._no_checkpoint()
+            step = steps[-1]
+        elif step not in steps:
+            raise ValueError(
+                f"no committed checkpoint for step {step} in {self.directory}; available steps: "
+                f"{steps or 'none'}"
+            )
+        # The config first (small, and it decides whether the rest is worth reading).
+        try:
+            saved_config = self._manager.restore(
+                step, args=ocp.args.Composite(**{_ITEM_CONFIG: ocp.args.JsonRestore()})
+            )[_ITEM_CONFIG]
+        except Exception as e:  # orbax/tensorstore raise many types; all mean "cannot read"
+            raise self._corrupt(step, "cannot read its 'config' item", e) from e
+        if not isinstance(saved_config, dict):
+            raise self._corrupt(step, f"its 'config' item is a {type(saved_config).__name__}, not a dict")
+        check_compatible(saved_config, self._config, compare,
+                         source=f"checkpoint step {step} at {self._step_dir(step)}")
+        return step, saved_config
+
+    def _check_structure(self, step: int, wanted: Any, *, partial: bool) -> None:
+        """The saved state's tree structure, shapes and dtypes (orbax's metadata) against
+        ``wanted``; with ``partial``, saved entries ``wanted`` does not ask for are ignored."""
+        try:
+            metadata = self._manager.item_metadata(step)[_ITEM_STATE]
+        except Exception as e:
+            raise self._corrupt(step, "cannot read the metadata of its 'state' item", e) from e
+        if metadata is None:
+            raise self._corrupt(step, "the metadata of its 'state' item (state/_METADATA) is missing")
+        saved_leaves = _flatten_by_path(getattr(metadata, "tree", metadata))
+        wanted_leaves = _flatten_by_path(wanted)
+        if partial:
+            tops = {path.split("/", 1)[0] for path in wanted_leaves}
+            saved_leaves = {p: v for p, v in saved_leaves.items() if p.split("/", 1)[0] in tops}
+        mismatch = _first_structure_mismatch(saved_leaves, wanted_leaves)
+        if mismatch is not None:
+            raise IncompatibleCheckpointError(
+                f"checkpoint step {step} at {self._step_dir(step)} does not match the state to restore "
+                f"into: {mismatch}.\nFix: build the model/optimizer with the settings the checkpoint "
+                "was written with, or start in a fresh checkpoint directory."
+            )

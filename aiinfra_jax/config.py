@@ -20,6 +20,7 @@ import dataclasses
 import difflib
 import importlib.util
 import json
+import logging
 import types
 import typing
 from pathlib import Path
@@ -28,7 +29,10 @@ from typing import Any
 import yaml
 
 from aiinfra_jax.data.config import DataConfig
-from aiinfra_jax.models.config import ModelConfig
+from aiinfra_jax.models.config import Components, ModelConfig, is_runtime
+from aiinfra_jax.models.registry import component_configs
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -73,18 +77,38 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh with axes (data, fsdp, tensor); -1 on one axis means 'all remaining devices'."""
+    """Device mesh: one named axis per field marked `mesh_axis`, in mesh order (outermost first;
+    the innermost axes get the fastest links, so tensor, which talks every layer, is last). Each is
+    a size, or -1 on one axis for 'all remaining devices'. Adding an axis is adding a field here
+    (and its rules in aiinfra_jax.sharding); nothing else lists them.
 
-    data: int = -1
-    fsdp: int = 1
-    tensor: int = 1
+    data: pure data parallelism. fsdp: data parallelism with parameters and optimizer state sharded
+    over it (ZeRO-3). expert: expert parallelism inside MoE layers, data parallelism elsewhere.
+    context: the sequence dimension split (context parallelism). tensor: Megatron-style tensor
+    parallelism over heads and the FFN's hidden dimension.
+    """
+
+    data: int = dataclasses.field(default=-1, metadata={"mesh_axis": True})
+    fsdp: int = dataclasses.field(default=1, metadata={"mesh_axis": True})
+    expert: int = dataclasses.field(default=1, metadata={"mesh_axis": True})
+    context: int = dataclasses.field(default=1, metadata={"mesh_axis": True})
+    tensor: int = dataclasses.field(default=1, metadata={"mesh_axis": True})
     num_devices: int = 0  # 0 = every visible device; n = the first n (tests, debugging)
     distributed: str = "auto"  # "auto" (initialize when the environment says so) | "on" | "off"
 
+    @classmethod
+    def axis_names(cls) -> tuple[str, ...]:
+        """The mesh axes, in mesh order (the fields marked `mesh_axis`)."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("mesh_axis"))
+
+    def axis_sizes(self) -> dict[str, int]:
+        """{axis: configured size} in mesh order; -1 = the rest of the devices."""
+        return {name: getattr(self, name) for name in self.axis_names()}
+
     def __post_init__(self):
-        sizes = {"mesh.data": self.data, "mesh.fsdp": self.fsdp, "mesh.tensor": self.tensor}
-        for key, v in sizes.items():
-            _check(v == -1 or v >= 1, key, v, "must be a positive size or -1 (the rest)")
+        sizes = self.axis_sizes()
+        for name, v in sizes.items():
+            _check(v == -1 or v >= 1, f"mesh.{name}", v, "must be a positive size or -1 (the rest)")
         _check(sum(v == -1 for v in sizes.values()) <= 1, "mesh", sizes,
                "at most one axis may be -1")
         _check(self.num_devices >= 0, "mesh.num_devices", self.num_devices, "must be >= 0")
@@ -183,8 +207,24 @@ class Config:
 
 
 def to_dict(cfg) -> dict:
-    """A JSON-able nested dict (tuples become lists)."""
-    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+    """A JSON-able nested dict (tuples become lists; component configs appear under their keys,
+    model.nsa.*, like fields)."""
+    return json.loads(json.dumps(_asdict(cfg)))
+
+
+def _asdict(value):
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        out = {}
+        for f in dataclasses.fields(value):
+            v = getattr(value, f.name)
+            if isinstance(v, Components):
+                out.update({key: _asdict(c) for key, c in v.items()})
+            else:
+                out[f.name] = _asdict(v)
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_asdict(v) for v in value]
+    return value
 
 
 def from_dict(d: dict, cls=Config):
@@ -193,8 +233,38 @@ def from_dict(d: dict, cls=Config):
 
 
 def _field_types(cls) -> dict[str, Any]:
+    """Settable keys of a config class and their types; a `components` field stands for the
+    registered component configs (ModelConfig: model.nsa, model.attnres, ...)."""
     hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    out = {}
+    for f in dataclasses.fields(cls):
+        if hints[f.name] is Components:
+            out.update(component_configs())
+        else:
+            out[f.name] = hints[f.name]
+    return out
+
+
+def runtime_keys(cls=Config, prefix: str = "") -> frozenset[str]:
+    """Dotted keys of the fields that say how a model runs, not what it computes (declared with
+    models.config.runtime_field): a checkpoint may be restored or evaluated with other values."""
+    keys = set()
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for name, tp in _field_types(cls).items():
+        if name in fields and is_runtime(fields[name]):
+            keys.add(prefix + name)
+        elif dataclasses.is_dataclass(tp):
+            keys |= runtime_keys(tp, f"{prefix}{name}.")
+    return frozenset(keys)
+
+
+# Keys that older config.json files hold, and what they became: (section class, old key) ->
+# function(value) -> {new key: value}. Read with a logged note, never silently dropped.
+_RENAMED = {
+    # model.attention_impl (None | "xla" | "cudnn" | "flash") became the dense mixer's own config.
+    (ModelConfig, "attention_impl"): lambda v: {"dense": (
+        {"kernel": "flash_attention"} if v == "flash" else {"implementation": v})},
+}
 
 
 def _unknown_key(key: str, valid: list[str]) -> ConfigError:
@@ -209,6 +279,7 @@ def _build(cls, values: dict, prefix: str, base=None):
                           f"{type(values).__name__}")
     types_ = _field_types(cls)
     kwargs = {}
+    values = _rename_old_keys(cls, values, prefix)
     for key, value in values.items():
         if key not in types_:
             raise _unknown_key(prefix + key, sorted(types_))
@@ -220,6 +291,47 @@ def _build(cls, values: dict, prefix: str, base=None):
         raise
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {e}") from e
+
+
+def canonical_section(section: str, value: dict) -> dict:
+    """A saved config section (a dict from an older run's config.json) as this version writes it:
+    renamed keys under their new names, settings added since then at their defaults. Nothing is
+    validated (a checkpoint's config is compared, not run), so it never fails."""
+    cls = _field_types(Config)[section]
+
+    def merge(tp, default, saved):
+        if not isinstance(saved, dict) or not isinstance(default, dict):
+            return saved
+        saved = _rename_old_keys(tp, saved, "", quiet=True) if dataclasses.is_dataclass(tp) \
+            else saved
+        types_ = _field_types(tp) if dataclasses.is_dataclass(tp) else {}
+        out = dict(default)
+        for k, v in saved.items():
+            out[k] = merge(types_.get(k), default.get(k), v)
+        return out
+
+    return merge(cls, to_dict(cls()), value)
+
+
+def _rename_old_keys(cls, values: dict, prefix: str, quiet: bool = False) -> dict:
+    """values with keys that older runs wrote read as this version's: renamed ones (_RENAMED) under
+    their new names, retired ones (a section's RETIRED_FIELDS) dropped; each logged unless quiet."""
+    retired = getattr(cls, "RETIRED_FIELDS", {})
+    for key in sorted(retired.keys() & values.keys()):
+        if not quiet:
+            log.warning("config: %s%s=%r is ignored: %s", prefix, key, values[key], retired[key])
+    values = {k: v for k, v in values.items() if k not in retired}
+    renamed = {k: v for k, v in values.items() if (cls, k) not in _RENAMED}
+    for key in values.keys() - renamed.keys():
+        new = _RENAMED[(cls, key)](values[key])
+        if not quiet:
+                log.warning("config: %s%s=%r is read as %s (its name in older runs)", prefix, key,
+                        values[key], ", ".join(f"{prefix}{k}={v!r}" for k, v in new.items()))
+        for k, v in new.items():
+            if isinstance(v, dict) and isinstance(renamed.get(k), dict):
+                v = {**v, **renamed[k]}
+            renamed[k] = v
+    return renamed
 
 
 def _type_name(tp) -> str:

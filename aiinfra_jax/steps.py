@@ -5,7 +5,13 @@ functions that aiinfra_jax.train jits, donates and drives. Params are plain nest
 (`nnx.to_pure_dict`) so jit shardings, optax and orbax all see one simple tree.
 
 State: {"params": nested dict of arrays, "opt_state": optax state, "step": int32,
-        "bad_step": int32 (0, or 1 + the first step whose loss or gradients were not finite)}.
+        "bad_step": int32 (0, or 1 + the first step whose loss or gradients were not finite),
+        and, only for models that keep non-parameter state (an nnx.Variable that is not an
+        nnx.Param, e.g. a routing bias updated outside the gradient), "model_state": its nested
+        dict, returned updated by every step and checkpointed with the rest}.
+The training objective is the mean token NLL plus the sum of the auxiliary losses the model
+reports (models/auxiliary.py); each auxiliary loss and metric is logged as aux_loss/<name> and
+aux/<name>. Components that draw randomness get nnx.Rngs from fold_in(key(seed), step).
 A non-finite step leaves params and optimizer state unchanged (selected inside the step, so donated
 buffers always hold the last good state).
 
@@ -32,20 +38,38 @@ from aiinfra_jax.models.config import ModelConfig
 
 
 def abstract_model(cfg: ModelConfig, seed: int = 0):
-    """(graphdef, abstract param State, rest) of the model without allocating anything."""
+    """(graphdef, abstract param State, abstract non-param State) of the model without allocating
+    anything. The non-param state is what a module keeps besides its parameters (see the module
+    docstring); RNG streams stored in a module are refused (randomness comes in per call)."""
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    if jax.tree.leaves(rest):
-        raise ValueError("the model holds non-parameter state (e.g. stored RNG streams); the trainer "
-                         "keeps only nnx.Param state, so keep RNGs out of modules after init")
+    if jax.tree.leaves(nnx.state(model, nnx.RngState)):
+        raise ValueError("the model stores RNG streams (nnx.Rngs kept as module attributes after "
+                         "init); draw randomness from the rngs argument of __call__ instead")
     return graphdef, params, rest
 
 
-def merge_model(graphdef, abstract_params, rest, params):
-    """An nnx model from a plain params dict (inside jit: no copies)."""
+def init_variables(model) -> tuple[dict, dict]:
+    """(params, model_state) of a built model as plain nested dicts (model_state is {} for models
+    without non-parameter state)."""
+    _, params, rest = nnx.split(model, nnx.Param, ...)
+    return nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+
+
+def merge_model(graphdef, abstract_params, rest, params, model_state=None):
+    """An nnx model from a plain params dict (inside jit: no copies); model_state (a plain dict
+    like init_variables gives) replaces the non-param state's values when given."""
     state = jax.tree.map(lambda x: x, abstract_params)  # fresh State of the same structure
     nnx.replace_by_pure_dict(state, params)
+    rest = jax.tree.map(lambda x: x, rest)
+    if model_state:
+        nnx.replace_by_pure_dict(rest, model_state)
     return nnx.merge(graphdef, state, rest)
+
+
+def model_state_of(model) -> dict:
+    """The model's non-parameter state as a plain dict (after a forward pass that updated it)."""
+    return nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
 
 
 def weight_decay_mask(abstract_params):
@@ -89,14 +113,15 @@ def make_optimizer(cfg, total_steps: int, decay_mask) -> optax.GradientTransform
 # ----------------------------------------------------------------------------- pure steps
 
 
-def loss_and_stats(model, batch, n_buckets: int = 1):
-    """Sum of token NLLs, sum of loss weights, auxiliary losses, and per-position-bucket sums.
+def loss_and_stats(model, batch, n_buckets: int = 1, rngs: nnx.Rngs | None = None):
+    """Sum of token NLLs, the summed auxiliary losses, per-position-bucket sums, and the model's
+    aux (models/auxiliary.py: losses, metrics).
 
     Position buckets split [0, T) of the row into n_buckets equal ranges of the token's position
     within its document (batch["positions"]), to show whether the model uses long context.
     """
     logits, _, aux = model(batch["inputs"], positions=batch["positions"],
-                           segment_ids=batch["segment_ids"])
+                           segment_ids=batch["segment_ids"], rngs=rngs)
     logits = logits.astype(jnp.float32)
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     w = batch["loss_weights"].astype(jnp.float32)
@@ -112,40 +137,58 @@ def loss_and_stats(model, batch, n_buckets: int = 1):
         "bucket_weight": onehot.sum((0, 1)),
         "correct": jnp.sum((jnp.argmax(logits, -1) == batch["targets"]) * w),
     }
-    aux_loss = sum((v for k, v in aux.items() if k.startswith("loss/")), jnp.float32(0.0))
+    aux_loss = sum(aux["losses"].values(), jnp.float32(0.0))
     return nll_sum, aux_loss, stats, aux
 
 
-def make_train_step(graphdef, abstract_params, rest, optimizer, grad_accum: int):
-    """train_step(state, batch) -> (state, metrics); pure, to be jitted with the state donated."""
+def aux_metrics(aux) -> dict[str, jax.Array]:
+    """The model's auxiliary losses and metrics as flat log keys (aux_loss/<name>, aux/<name>)."""
+    out = {f"aux_loss/{k}": v for k, v in aux["losses"].items()}
+    if aux["losses"]:
+        out["aux_loss"] = sum(aux["losses"].values())
+    out.update({f"aux/{k}": v for k, v in aux["metrics"].items()})
+    return out
 
-    def micro_loss(params, mb):
-        model = merge_model(graphdef, abstract_params, rest, params)
-        nll_sum, aux_loss, stats, aux = loss_and_stats(model, mb)
+
+def make_train_step(graphdef, abstract_params, rest, optimizer, grad_accum: int, seed: int = 0):
+    """train_step(state, batch) -> (state, metrics); pure, to be jitted with the state donated.
+    seed: the base of the per-step randomness handed to the model (nnx.Rngs)."""
+    has_model_state = bool(jax.tree.leaves(rest))
+
+    def micro_loss(params, mb, model_state, key):
+        model = merge_model(graphdef, abstract_params, rest, params, model_state)
+        nll_sum, aux_loss, stats, aux = loss_and_stats(model, mb, rngs=nnx.Rngs(key))
+        new_model_state = model_state_of(model) if has_model_state else {}
         # Weighted by tokens: the objective is total NLL / total weight over the whole batch; the
         # caller divides by the weight summed over micro-batches.
-        return nll_sum + aux_loss * stats["weight_sum"], (stats, aux)
+        return nll_sum + aux_loss * stats["weight_sum"], (stats, aux_metrics(aux),
+                                                          new_model_state)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
     def train_step(state, batch):
         params = state["params"]
+        model_state = state.get("model_state", {})
+        key = jax.random.fold_in(jax.random.key(seed), state["step"])
         if grad_accum == 1:
-            (_, (stats, aux)), grads = grad_fn(params, batch)
+            (_, (stats, aux, new_model_state)), grads = grad_fn(params, batch, model_state, key)
         else:
             micro = jax.tree.map(
                 lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)
 
-            def body(carry, mb):
-                g_acc, s_acc = carry
-                (_, (s, a)), g = grad_fn(params, mb)
+            def body(carry, xs):
+                g_acc, s_acc, ms = carry
+                mb, i = xs
+                (_, (s, a, ms)), g = grad_fn(params, mb, ms, jax.random.fold_in(key, i))
                 return (jax.tree.map(jnp.add, g_acc, g),
-                        jax.tree.map(jnp.add, s_acc, s)), a
+                        jax.tree.map(jnp.add, s_acc, s), ms), a
 
             zeros_g = jax.tree.map(jnp.zeros_like, params)
-            _, (stats0, _) = jax.eval_shape(lambda: micro_loss(params, jax.tree.map(lambda x: x[0], micro)))
+            _, (stats0, _, _) = jax.eval_shape(lambda: micro_loss(
+                params, jax.tree.map(lambda x: x[0], micro), model_state, key))
             zeros_s = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats0)
-            (grads, stats), aux = jax.lax.scan(body, (zeros_g, zeros_s), micro)
+            (grads, stats, new_model_state), aux = jax.lax.scan(
+                body, (zeros_g, zeros_s, model_state), (micro, jnp.arange(grad_accum)))
             aux = jax.tree.map(lambda x: x.mean(0), aux)
         denom = jnp.maximum(stats["weight_sum"], 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
@@ -163,19 +206,22 @@ def make_train_step(graphdef, abstract_params, rest, optimizer, grad_accum: int)
             "bad_step": jnp.where((state["bad_step"] == 0) & ~ok, state["step"] + 1,
                                   state["bad_step"]),
         }
+        if "model_state" in state:
+            new_state["model_state"] = keep(new_model_state, model_state)
         metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": stats["weight_sum"],
                    "accuracy": stats["correct"] / denom}
-        metrics.update({k: v for k, v in aux.items() if jnp.ndim(v) == 0})
+        metrics.update(aux)
         return new_state, metrics
 
     return train_step
 
 
 def make_eval_step(graphdef, abstract_params, rest, n_buckets: int):
-    """eval_step(params, batch) -> stats (sums, to be added over batches); pure."""
+    """eval_step(params, batch, model_state=None) -> stats (sums, to be added over batches);
+    pure. The model state (if the model keeps any) is read, never updated, by an evaluation."""
 
-    def eval_step(params, batch):
-        model = merge_model(graphdef, abstract_params, rest, params)
+    def eval_step(params, batch, model_state=None):
+        model = merge_model(graphdef, abstract_params, rest, params, model_state)
         _, _, stats, _ = loss_and_stats(model, batch, n_buckets)
         return stats
 

@@ -48,7 +48,7 @@ The dense baseline is one flag away (--set model.mixers=dense --set run.name=lon
 
 from aiinfra_jax.config import CheckpointConfig, Config, EvalConfig, OptimConfig, RunConfig
 from aiinfra_jax.data.config import DataConfig
-from aiinfra_jax.models.config import ModelConfig, NSAConfig
+from aiinfra_jax.models import ModelConfig, NSAConfig
 
 _SYN = ":context_weight=0.1,answer_weight=2.0"
 _COPY = "synthetic:copy" + _SYN + ",repeats=5"

@@ -9,7 +9,7 @@ evaluation prompts). Remat keeps activation memory of the long rows small.
 
 from aiinfra_jax.config import CheckpointConfig, Config, EvalConfig, OptimConfig, RunConfig
 from aiinfra_jax.data.config import DataConfig
-from aiinfra_jax.models.config import ModelConfig, NSAConfig
+from aiinfra_jax.models import ModelConfig, NSAConfig
 
 CONFIG = Config(
     model=ModelConfig(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, mixers=("nsa",),

@@ -9,7 +9,7 @@ The dense model is one flag away: --set model.mixers=dense.
 
 from aiinfra_jax.config import CheckpointConfig, Config, EvalConfig, OptimConfig, RunConfig
 from aiinfra_jax.data.config import DataConfig
-from aiinfra_jax.models.config import ModelConfig, NSAConfig
+from aiinfra_jax.models import ModelConfig, NSAConfig
 
 NSA = NSAConfig(cmp_block_len=16, cmp_stride=8, sel_block_size=32, n_selected=4, n_init=1,
                 n_local=2, window=64)

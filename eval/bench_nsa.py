@@ -13,7 +13,7 @@ dense all T keys and values; NSA the compressed tokens, n selected blocks and th
 memory is the compiled program's memory_analysis (arguments + outputs + temporaries). Dense
 forward / backward through jax.nn.dot_product_attention's XLA path holds [B,H,T,T] float32 logits: lengths
 where that exceeds --dense-max-gb run the dense layer through the chunked flash_attention kernel
-(model.attention_impl="flash") instead; each row names the dense attention it used.
+(model.dense.kernel="flash_attention") instead; each row names the dense attention it used.
 
 flops: the theoretical whole-layer forward FLOP ratio dense / NSA (flops_per_token of both
 modules, nothing compiled or run) for several layer widths (d_model/heads/kv_heads) and lengths:
@@ -47,7 +47,7 @@ from flax import nnx
 
 from aiinfra_jax.models.attention.dense import DenseAttention
 from aiinfra_jax.models.attention.nsa import NSAttention, n_compressed
-from aiinfra_jax.models.config import ModelConfig, NSAConfig
+from aiinfra_jax.models import DenseConfig, ModelConfig, NSAConfig
 
 
 def device_description() -> str:
@@ -221,7 +221,7 @@ def run_layer(args) -> dict[str, Any]:
     for seq in lengths:
         cfg = ModelConfig(vocab_size=256, d_model=args.d_model, n_heads=args.heads,
                           n_kv_heads=args.kv_heads, n_layers=1, mixers=("nsa",), nsa=nsa,
-                          dtype=args.dtype, max_seq_len=max(seq, 8), attention_impl=None)
+                          dtype=args.dtype, max_seq_len=max(seq, 8))
         logits_bytes = args.batch * args.heads * seq * seq * 4
         dense_ok = logits_bytes <= args.dense_max_gb * 2 ** 30
         for kind in ("dense", "nsa"):
@@ -229,7 +229,7 @@ def run_layer(args) -> dict[str, Any]:
             if kind == "dense" and not dense_ok:
                 # jax.nn.dot_product_attention's logits would not fit: the dense layer runs its
                 # forward/backward through the chunked flash_attention kernel instead.
-                layer_cfg = dataclasses.replace(cfg, attention_impl="flash")
+                layer_cfg = dataclasses.replace(cfg, dense=DenseConfig(kernel="flash_attention"))
             row = bench_layer_once(kind, layer_cfg, args.batch, seq, args.repeats,
                                    "forward" in ops, "backward" in ops, "decode" in ops, key)
             if kind == "dense":
@@ -282,7 +282,7 @@ def layer_markdown(result: dict[str, Any]) -> str:
 # Quality run ------------------------------------------------------------------------------------
 def _params(cfg) -> int:
     from aiinfra_jax.models import Transformer
-    from aiinfra_jax.train import Trainer
+    from aiinfra_jax.trainer import Trainer
     model_cfg = Trainer(cfg).cfg.model  # vocab filled in from the tokenizer
     model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
     return int(sum(np.prod(p.shape) for p in jax.tree.leaves(nnx.state(model, nnx.Param))))

@@ -5,7 +5,8 @@
 
 For each example of the long-context grid (the same examples as ``aiinfra_jax.eval.longctx``), the
 prompt and its expected answer are fed in one teacher-forced pass. At every position that predicts
-an answer token, and in every NSA layer, it reads (through ``models.attention.nsa.record_branches``):
+an answer token, and in every NSA layer, it reads (the model's intermediates, through
+``models.attention.nsa.branch_records``):
   hit     the share of KV heads whose selected blocks hold the prompt token to copy (the answer's
           first occurrence in the prompt, shifted by the answer token's index);
   chance  the share a selection would reach by picking its free blocks uniformly at random (forced
@@ -31,9 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from aiinfra_jax.config import ConfigError, load_run_config
+from aiinfra_jax.load import load_model
 from aiinfra_jax.eval.longctx import LongCtxConfig, build_examples, parse_depths
 from aiinfra_jax.kernels.block_selection.reference import forced_blocks
-from aiinfra_jax.models.attention.nsa import record_branches, require_nsa
+from aiinfra_jax.models.attention.nsa import branch_records, require_nsa
 
 SINGLE_ANSWER_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "passkey")
 
@@ -79,10 +81,10 @@ def probe(model: Any, examples: Sequence[Any], nsa_cfg: Any) -> list[dict[str, A
         tokens = np.concatenate([prompt, target]).astype(np.int32)
         queries = np.arange(prompt.size - 1, tokens.size - 1)       # rows predicting the answer
         sources = src + np.arange(target.size)
-        with record_branches() as records:
-            logits, _, _ = model(jnp.asarray(tokens)[None],
-                                 positions=jnp.arange(tokens.size, dtype=jnp.int32)[None])
-            jax.effects_barrier()
+        logits, _, aux = model(jnp.asarray(tokens)[None],
+                               positions=jnp.arange(tokens.size, dtype=jnp.int32)[None],
+                               capture_intermediates=True)
+        records = [jax.tree.map(np.asarray, r) for r in branch_records(aux)]
         if not records:
             raise ValueError("the model has no NSA layer to probe (model.mixers has no 'nsa')")
         logp = np.asarray(jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1))
@@ -151,16 +153,10 @@ def main(argv: list[str] | None = None) -> int:
                              f"choose from {', '.join(SINGLE_ANSWER_TASKS)}")
         cfg = LongCtxConfig(tasks=tasks, lengths=tuple(args.lengths.split(",")),
                             depths=parse_depths(args.depths), samples=args.samples)
-        # Imported here, like eval/longctx.py: the training stack is heavy and train.py imports
-        # the eval package for its in-loop hook.
-        from aiinfra_jax.train import merge_model, restore_run  # pylint: disable=import-outside-toplevel
-
         require_nsa(load_run_config(args.checkpoint).model.mixers, "eval.nsa_probe")
-        trainer, state = restore_run(args.checkpoint, step=args.step)
-        model = merge_model(trainer.graphdef, trainer.abstract_params, trainer.rest,
-                            state["params"])
-        examples = build_examples(trainer.tokenizer, cfg)
-        records = probe(model, examples, trainer.cfg.model.nsa)
+        loaded = load_model(args.checkpoint, step=args.step)
+        examples = build_examples(loaded.tokenizer, cfg)
+        records = probe(loaded.model, examples, loaded.config.model.nsa)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

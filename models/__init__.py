@@ -1,11 +1,16 @@
 """Flax NNX models (import: aiinfra_jax.models): config, registries, layers, the Transformer."""
 
 from . import attention, attnres, layers, residual  # noqa: F401  (register the built-ins)
-from .config import ModelConfig, padded_vocab_size
-from .registry import (FFNS, MIXERS, RESIDUALS, get_ffn, get_mixer, get_residual, register_ffn,
-                       register_mixer, register_residual)
+from .attention.dense import DenseConfig
+from .attention.nsa import NSAConfig
+from .attnres import AttnResConfig
+from .auxiliary import record, report_loss, report_metric
+from .config import ModelConfig, padded_vocab_size, runtime_field
+from .registry import (FFNS, MIXERS, RESIDUALS, get_ffn, get_mixer, get_residual, register_config,
+                       register_ffn, register_mixer, register_residual)
 from .transformer import Transformer
 
-__all__ = ["ModelConfig", "padded_vocab_size", "Transformer", "MIXERS", "FFNS", "RESIDUALS",
-           "register_mixer", "register_ffn", "register_residual", "get_mixer", "get_ffn",
-           "get_residual"]
+__all__ = ["ModelConfig", "padded_vocab_size", "runtime_field", "Transformer", "MIXERS", "FFNS",
+           "RESIDUALS", "register_mixer", "register_ffn", "register_residual", "register_config",
+           "get_mixer", "get_ffn", "get_residual", "NSAConfig", "AttnResConfig", "DenseConfig",
+           "report_loss", "report_metric", "record"]

@@ -40,17 +40,37 @@ O((S + L) * B * T * D).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from aiinfra_jax.kernels.depth_attention import block_depth_attention, depth_attention
 
-from .config import ModelConfig
-from .registry import register_residual
+from .config import ModelConfig, check_implementation, runtime_field
+from .registry import register_config, register_residual
 
 Carry = dict[str, jax.Array]
 _AXES = ("depth_query", "norm")  # replicated everywhere (tiny parameters)
+
+
+@register_config("attnres")
+@dataclasses.dataclass(frozen=True)
+class AttnResConfig:
+    """Attention Residuals (arXiv 2603.15031) settings, used when residual is "attnres_*"."""
+
+    n_blocks: int = 8  # Block AttnRes: layers are grouped into this many blocks
+    # Depth-attention kernel backend (models/config.py IMPLEMENTATIONS without "cudnn").
+    implementation: str | None = runtime_field(None)
+    interpret: bool = runtime_field(False)  # Pallas kernels in interpret mode (CPU tests, debugging)
+
+    def __post_init__(self):
+        if not isinstance(self.n_blocks, int) or isinstance(self.n_blocks, bool) or self.n_blocks <= 0:
+            raise ValueError(f"AttnResConfig.n_blocks={self.n_blocks!r}: must be a positive int "
+                             "dividing 2 * n_layers (each mixer and each FFN is one AttnRes layer)")
+        check_implementation("AttnResConfig", self.implementation)
+
 
 
 def n_sublayers(cfg: ModelConfig) -> int:
@@ -84,7 +104,8 @@ class DepthAggregate(nnx.Module):
     def __call__(self, carry: Carry) -> jax.Array:
         src = carry["sources"]
         return depth_attention(self.query[...], src, eps=self.cfg.norm_eps,
-                               implementation=self.cfg.attnres.implementation)[0]
+                               implementation=self.cfg.attnres.implementation,
+                               interpret=self.cfg.attnres.interpret)[0]
 
 
 @register_residual("attnres_full")
@@ -123,7 +144,8 @@ class FullAttnRes(nnx.Module):
     def sublayer_input(self, carry: Carry, k: int) -> jax.Array:
         return depth_attention(self._query(k), carry["sources"], carry["count"],
                                eps=self.cfg.norm_eps,
-                               implementation=self.cfg.attnres.implementation)[0]
+                               implementation=self.cfg.attnres.implementation,
+                               interpret=self.cfg.attnres.interpret)[0]
 
     def update(self, carry: Carry, out_btd: jax.Array, k: int) -> Carry:
         del k
@@ -160,7 +182,8 @@ class FullAttnRes(nnx.Module):
         """Parameter-free fallback (uniform average over every slot); the Transformer uses the
         learned DepthAggregate from make_final instead."""
         return depth_attention(jnp.zeros((1, cfg.d_model), jnp.float32), carry["sources"],
-                               eps=cfg.norm_eps, implementation=cfg.attnres.implementation)[0]
+                               eps=cfg.norm_eps, implementation=cfg.attnres.implementation,
+                               interpret=cfg.attnres.interpret)[0]
 
 
 @register_residual("attnres_block")
@@ -192,7 +215,8 @@ class BlockAttnRes(FullAttnRes):
         partial = jax.lax.dynamic_index_in_dim(src, n + 1, 0, keepdims=False)
         return block_depth_attention(self._query(k), src, n + 1, partial, i > 0,
                                      eps=self.cfg.norm_eps,
-                                     implementation=self.cfg.attnres.implementation)[0]
+                                     implementation=self.cfg.attnres.implementation,
+                               interpret=self.cfg.attnres.interpret)[0]
 
     def update(self, carry: Carry, out_btd: jax.Array, k: int) -> Carry:
         del k

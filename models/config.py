@@ -2,19 +2,52 @@
 
 Layer pattern: the block of P = lcm(len(mixers), len(ffns)) layers (layer i uses
 mixers[i % len(mixers)] and ffns[i % len(ffns)]) is repeated n_layers / P times.
-Mixers with their own settings (NSA, MSA, ...) add a small nested frozen dataclass field here.
+
+Component settings (NSA, Attention Residuals, dense attention, and whatever registers later) are not
+fields of this class: each component registers its own frozen dataclass beside its code with
+`@register_config("nsa")` (models/registry.py), and ModelConfig holds one instance per registered
+key in `components`, reachable as `cfg.nsa`, built with `ModelConfig(nsa=NSAConfig(...))` or
+`dataclasses.replace(cfg, nsa=...)`, and written to config.json as `model.nsa.*` like a field.
+
+What defines the trained function (sizes, architecture, parameter dtype) is kept apart from how it
+runs: fields declared with `runtime_field` (compute dtype, remat, kernel implementations, cache
+sizes, loss weights) may differ between a checkpoint and the run that restores or evaluates it;
+`runtime_keys()` in aiinfra_jax/config.py lists them, and the checkpoint check skips them (printing
+the difference).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
+from typing import Any
 
 DTYPES = ("float32", "bfloat16")
-ATTENTION_IMPLS = (None, "xla", "cudnn", "flash")
+# The one kernel-backend vocabulary of every component's `implementation` field: None = the best
+# available for the platform the model is lowered for; "xla" runs everywhere; "pallas_gpu" and
+# "pallas_tpu" are the Pallas kernels; "cudnn" only where a component says it accepts it (dense
+# attention through jax.nn.dot_product_attention).
+IMPLEMENTATIONS = (None, "xla", "pallas_gpu", "pallas_tpu", "cudnn")
 # jax.checkpoint_policies members that are policies themselves (not factories needing arguments).
 REMAT_POLICIES = ("everything_saveable", "nothing_saveable", "dots_saveable", "checkpoint_dots",
                   "dots_with_no_batch_dims_saveable", "checkpoint_dots_with_no_batch_dims")
+
+
+def runtime_field(default: Any, **kwargs) -> Any:
+    """A config field that says how the model runs, not what it computes (see the module doc)."""
+    return dataclasses.field(default=default, metadata={"runtime": True}, **kwargs)
+
+
+def is_runtime(field: dataclasses.Field) -> bool:
+    return bool(field.metadata.get("runtime"))
+
+
+def check_implementation(owner: str, value: Any, allowed=IMPLEMENTATIONS[:4]) -> None:
+    """ValueError unless `value` is one of `allowed` (a subset of IMPLEMENTATIONS)."""
+    if value not in allowed:
+        raise ValueError(f"{owner}.implementation={value!r}: valid choices: {allowed} (None = best "
+                         "available for the platform the model is lowered for)")
 
 
 def padded_vocab_size(tokenizer_size: int, multiple: int = 128) -> int:
@@ -30,97 +63,30 @@ def remat_choices() -> tuple[str, ...]:
     return ("none", "full") + available
 
 
-@dataclasses.dataclass(frozen=True)
-class NSAConfig:
-    """Native Sparse Attention (arXiv 2502.11089) settings, used by layers whose mixer is "nsa".
+class Components(Mapping):
+    """Component key -> its config dataclass instance; immutable and hashable (a ModelConfig is a
+    static argument of jitted initialisers)."""
 
-    Sizes: compression blocks of length cmp_block_len (l) with stride cmp_stride (d); selection
-    blocks of length sel_block_size (l'), n_selected (n) of them per query and KV group, the n_init
-    initial and n_local local blocks always among them; a sliding window of `window` (w) keys.
-    """
+    def __init__(self, items: Mapping[str, Any] | None = None):
+        self._items = dict(sorted(dict(items or {}).items()))
 
-    cmp_block_len: int = 32
-    cmp_stride: int = 16
-    sel_block_size: int = 64
-    n_selected: int = 16
-    n_init: int = 1
-    n_local: int = 2
-    window: int = 512
-    separate_kv: bool = True  # separate K/V projections per branch (the paper's recommendation)
-    remap: str = "overlap"  # "overlap" | "eq9": compression -> selection score remap
-    cmp_mlp_hidden: int | None = None  # hidden width of the compression MLP; None = head_dim
-    # Initial biases of the per-head sigmoid gates (compressed, selected, window): the default
-    # starts the window branch at sigmoid(1) = 0.73 and the two sparse branches at 0.27.
-    gate_bias: tuple[float, ...] = (-1.0, -1.0, 1.0)
-    # Query heads with a window branch: the first `window_heads` of them; None = every head. The
-    # other heads' window gate is fixed at 0, so everything they read comes through compression
-    # and selection (the n_init / n_local blocks still give them the start and the recent past).
-    # A small model otherwise learns to retrieve inside the window only and never trains the far
-    # route (eval/BENCHMARKS.md, issue 5). Their window attention is still computed (and counted
-    # in flops_per_token): simpler than a per-head kernel call, and cheap next to the rest.
-    window_heads: int | None = None
-    # Kernel backend of all three branches: None (best available), "xla", "pallas_gpu",
-    # "pallas_tpu".
-    implementation: str | None = None
+    def __getitem__(self, key: str) -> Any:
+        return self._items[key]
 
-    def __post_init__(self):
-        for name in ("cmp_block_len", "cmp_stride", "sel_block_size", "n_selected", "window"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"NSAConfig.{name}={v!r}: must be a positive int")
-        for name in ("n_init", "n_local"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 0:
-                raise ValueError(f"NSAConfig.{name}={v!r}: must be a non-negative int")
-        if self.cmp_stride > self.cmp_block_len:
-            raise ValueError(f"NSAConfig.cmp_stride={self.cmp_stride}: must be <= cmp_block_len="
-                             f"{self.cmp_block_len} (blocks overlap or touch, never leave gaps)")
-        if self.n_init + self.n_local > self.n_selected:
-            raise ValueError(f"NSAConfig.n_selected={self.n_selected}: must be >= n_init + n_local "
-                             f"= {self.n_init + self.n_local} (the always-selected blocks)")
-        if self.remap not in ("overlap", "eq9"):
-            raise ValueError(f"NSAConfig.remap={self.remap!r}: valid choices: 'overlap', 'eq9'")
-        if self.remap == "eq9" and (self.cmp_block_len % self.cmp_stride
-                                    or self.sel_block_size % self.cmp_stride):
-            raise ValueError(f"NSAConfig.remap='eq9' needs cmp_stride={self.cmp_stride} to divide "
-                             f"cmp_block_len={self.cmp_block_len} and sel_block_size="
-                             f"{self.sel_block_size}; use remap='overlap' or change the sizes")
-        wh = self.window_heads
-        if wh is not None and (not isinstance(wh, int) or isinstance(wh, bool) or wh < 0):
-            raise ValueError(f"NSAConfig.window_heads={wh!r}: must be an int >= 0 (the first "
-                             "window_heads query heads keep the window branch) or None (all)")
-        h = self.cmp_mlp_hidden
-        if h is not None and (not isinstance(h, int) or isinstance(h, bool) or h <= 0):
-            raise ValueError(f"NSAConfig.cmp_mlp_hidden={h!r}: must be a positive int or None "
-                             "(= head_dim)")
-        if isinstance(self.gate_bias, list):
-            object.__setattr__(self, "gate_bias", tuple(self.gate_bias))
-        gb = self.gate_bias
-        if (not isinstance(gb, tuple) or len(gb) != 3 or not all(
-                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-                for x in gb)):
-            raise ValueError(f"NSAConfig.gate_bias={gb!r}: must be 3 finite numbers (compressed, "
-                             "selected, window gate biases)")
-        if self.implementation not in (None, "xla", "pallas_gpu", "pallas_tpu"):
-            raise ValueError(f"NSAConfig.implementation={self.implementation!r}: valid choices: "
-                             "None (best available), 'xla', 'pallas_gpu', 'pallas_tpu'")
+    def __iter__(self):
+        return iter(self._items)
 
+    def __len__(self) -> int:
+        return len(self._items)
 
-@dataclasses.dataclass(frozen=True)
-class AttnResConfig:
-    """Attention Residuals (arXiv 2603.15031) settings, used when residual is "attnres_*"."""
+    def __hash__(self) -> int:
+        return hash(tuple(self._items.items()))
 
-    n_blocks: int = 8  # Block AttnRes: layers are grouped into this many blocks
-    implementation: str | None = None  # depth-attention kernel: None | "xla" | "pallas_gpu" | "pallas_tpu"
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, Mapping) and dict(self._items) == dict(other)
 
-    def __post_init__(self):
-        if not isinstance(self.n_blocks, int) or isinstance(self.n_blocks, bool) or self.n_blocks <= 0:
-            raise ValueError(f"AttnResConfig.n_blocks={self.n_blocks!r}: must be a positive int "
-                             "dividing 2 * n_layers (each mixer and each FFN is one AttnRes layer)")
-        choices = (None, "xla", "pallas_gpu", "pallas_tpu")
-        if self.implementation not in choices:
-            raise ValueError(f"AttnResConfig.implementation={self.implementation!r}: valid "
-                             f"choices: {choices}")
+    def __repr__(self) -> str:
+        return "Components(" + ", ".join(f"{k}={v!r}" for k, v in self._items.items()) + ")"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,22 +104,20 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
-    dtype: str = "float32"  # compute dtype
+    dtype: str = runtime_field("float32")  # compute dtype
     param_dtype: str = "float32"
-    remat: str = "none"  # "none" | "full" | a jax.checkpoint_policies name, e.g. "dots_saveable"
-    scan_layers: bool = True
+    # "none" | "full" | a jax.checkpoint_policies name, e.g. "dots_saveable"
+    remat: str = runtime_field("none")
+    scan_layers: bool = True  # stacked [R, ...] parameters run by a scan (changes the param tree)
     init_std: float = 0.02
-    max_seq_len: int = 4096  # used only for checks and cache sizes
-    nsa: NSAConfig = NSAConfig()
-    attnres: AttnResConfig = AttnResConfig()
-    # Dense attention backend of jax.nn.dot_product_attention: None = cuDNN on a GPU for bfloat16 /
-    # float16 compute when the shapes allow it (falling back to XLA with a logged warning if cuDNN
-    # cannot trace), XLA otherwise; "xla" or "cudnn" force one ("cudnn" raises where unavailable).
-    attention_impl: str | None = None
+    max_seq_len: int = runtime_field(4096)  # used only for checks and cache sizes
     # Width W of a causal depthwise convolution (with a residual) on every mixer's input; 0 = off.
     # Gives attention the previous tokens directly, so induction / recall circuits form in one
     # layer (models/short_conv.py). fla's linear-attention layers and Canon layers use W = 4.
     short_conv: int = 0
+    # Registered component configs by key (see the module docstring); filled with every registered
+    # component's defaults. Pass them by key: ModelConfig(nsa=NSAConfig(window=256)).
+    components: Components = dataclasses.field(default_factory=Components)
 
     def __post_init__(self):
         # Lists from YAML / CLI overrides become tuples so the config stays hashable.
@@ -164,7 +128,40 @@ class ModelConfig:
             if isinstance(value, list):
                 value = tuple(value)
             object.__setattr__(self, name, value)
+        object.__setattr__(self, "components", self._resolve_components(self.components))
         self._validate()
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when normal lookup fails: component configs by key (cfg.nsa).
+        components = self.__dict__.get("components")
+        if components is not None and name in components:
+            return components[name]
+        raise AttributeError(f"ModelConfig has no field or component config {name!r}")
+
+    @staticmethod
+    def _resolve_components(given: Mapping[str, Any]) -> Components:
+        from . import registry
+
+        table = registry.component_configs()
+        fields = {f.name for f in dataclasses.fields(ModelConfig)}
+        out = {}
+        for key, value in dict(given).items():
+            if key not in table:
+                raise ValueError(f"ModelConfig: unknown field or component config {key!r}; fields: "
+                                 f"{sorted(fields - {'components'})}; component configs: "
+                                 f"{sorted(table)}")
+            if isinstance(value, Mapping):
+                value = table[key](**value)
+            if not isinstance(value, table[key]):
+                raise ValueError(f"ModelConfig.{key}: expected a {table[key].__name__}, got "
+                                 f"{type(value).__name__}")
+            out[key] = value
+        for key, cls in table.items():
+            if key in fields:
+                raise ValueError(f"component config key {key!r} ({cls.__name__}) clashes with the "
+                                 "ModelConfig field of that name; register it under another key")
+            out.setdefault(key, cls())
+        return Components(out)
 
     def _fail(self, name: str, why: str) -> None:
         raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}: {why}")
@@ -191,9 +188,10 @@ class ModelConfig:
         if self.n_heads % self.n_kv_heads:
             self._fail("n_kv_heads", f"must divide n_heads={self.n_heads} "
                        "(grouped-query attention)")
-        if self.nsa.window_heads is not None and self.nsa.window_heads > self.n_heads:
-            self._fail("nsa", f"NSAConfig.window_heads={self.nsa.window_heads} exceeds "
-                       f"n_heads={self.n_heads}; use at most n_heads (None = every head)")
+        for component in self.components.values():  # checks that need the model's sizes
+            check = getattr(component, "check_model", None)
+            if check is not None:
+                check(self)
         if self.d_ff is not None and (not isinstance(self.d_ff, int) or self.d_ff <= 0):
             self._fail("d_ff", "must be a positive int or None (= 8/3 d_model rounded up to 64)")
         for name, kind in (("mixers", "mixer"), ("ffns", "ffn")):
@@ -220,8 +218,6 @@ class ModelConfig:
                 self._fail(name, f"must be one of {DTYPES}")
         if self.remat not in remat_choices():
             self._fail("remat", f"must be one of {remat_choices()}")
-        if self.attention_impl not in ATTENTION_IMPLS:
-            self._fail("attention_impl", f"must be one of {ATTENTION_IMPLS}")
         if not isinstance(self.short_conv, int) or isinstance(self.short_conv, bool) \
                 or self.short_conv < 0:
             self._fail("short_conv", "must be an int >= 0 (the kernel width; 0 = no convolution, "
@@ -259,3 +255,21 @@ class ModelConfig:
                                  f"tokenizer's {tokenizer_size} tokens; raise it or set it to 0")
             return self
         return dataclasses.replace(self, vocab_size=padded_vocab_size(tokenizer_size, multiple))
+
+
+def _init_with_components(init):
+    """ModelConfig(..., nsa=NSAConfig(...)): keyword arguments that are not fields are component
+    configs (checked in __post_init__); dataclasses.replace(cfg, nsa=...) goes through here too."""
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+
+    def __init__(self, *args, components: Mapping[str, Any] | None = None, **kwargs):
+        merged = dict(components or {})
+        for key in [k for k in kwargs if k not in names]:
+            merged[key] = kwargs.pop(key)
+        init(self, *args, components=Components(merged), **kwargs)
+
+    __init__.__doc__ = init.__doc__
+    return __init__
+
+
+ModelConfig.__init__ = _init_with_components(ModelConfig.__init__)

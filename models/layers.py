@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .config import ModelConfig
+from .partitioning import constrain
 from .registry import register_ffn
 
 
@@ -82,7 +83,9 @@ class SwiGLU(nnx.Module):
         self.w_up = make_param(rngs, (d, f), ("embed", "mlp"), cfg.init_std, cfg.param_dtype)
         self.w_down = make_param(rngs, (f, d), ("mlp", "embed"), out_proj_std(cfg), cfg.param_dtype)
 
-    def __call__(self, x_btd: jax.Array) -> jax.Array:
+    def __call__(self, x_btd: jax.Array, *, segment_ids: jax.Array | None = None,
+                 rngs: nnx.Rngs | None = None) -> jax.Array:
+        del segment_ids, rngs  # position-wise and deterministic
         dt = jnp.dtype(self.cfg.dtype)
         x = x_btd.astype(dt)
         gate = x @ self.w_gate[...].astype(dt)
@@ -102,7 +105,10 @@ class Embedding(nnx.Module):
                                 cfg.init_std, cfg.param_dtype)
 
     def __call__(self, tokens_bt: jax.Array) -> jax.Array:
-        return jnp.take(self.table[...], tokens_bt, axis=0).astype(self.cfg.dtype)
+        # The table gathered over its embed (fsdp) axis first, as FSDP does: a lookup from a
+        # table split on D would give rows split on D, which collides with the batch split.
+        table = constrain(self.table[...], ("vocab", None))
+        return jnp.take(table, tokens_bt, axis=0).astype(self.cfg.dtype)
 
     def attend(self, x_btd: jax.Array) -> jax.Array:
         """Logits [B,T,V] float32 = x @ table^T."""

@@ -24,7 +24,10 @@ Mixer -- `cls(cfg: ModelConfig, *, rngs: nnx.Rngs)`
   `flops_per_token(seq_len) -> float`: forward FLOPs per token at this context length (projection
       matmuls + attention score/value terms), so sparse mixers are counted honestly.
 
-FFN -- `cls(cfg, *, rngs)`; `__call__(x [B,T,D]) -> y [B,T,D]`; `flops_per_token() -> float`.
+FFN -- `cls(cfg, *, rngs)`; `__call__(x [B,T,D], *, segment_ids [B,T] int32 | None = None,
+      rngs: nnx.Rngs | None = None) -> y [B,T,D]`; `flops_per_token() -> float`.
+      segment_ids marks padding (0) so that it never votes in a router; rngs is given only in
+      training (router noise / jitter are drawn from it; None = deterministic).
 
 Residual scheme -- a per-layer module `cls(cfg, *, rngs)` with
   `init_carry(cfg, x_embed) -> carry`   classmethod, called once per model with the embeddings
@@ -35,6 +38,18 @@ Residual scheme -- a per-layer module `cls(cfg, *, rngs)` with
       Attention Residuals' final aggregation query) that replaces `finalize`; the Transformer
       stores it as `residual_final` and calls it with the carry.
   The carry is any pytree; it flows through the layer scan.
+
+Auxiliary outputs (every kind): a component reports losses, metrics and diagnostic arrays from its
+`__call__` with models/auxiliary.py (`report_loss`, `report_metric`, `record`: Flax's `sow`); the
+Transformer collects them per layer through the layer scan and remat. Non-parameter state a module
+keeps (an `nnx.Variable` that is not an `nnx.Param`, e.g. a routing bias updated outside the
+gradient) is carried, returned by the training step, and checkpointed.
+
+Component configs: a component with settings registers a frozen dataclass under a key with
+`@register_config("nsa")`, in its own file; `ModelConfig` then has it as `cfg.nsa` (defaults filled
+in), `--set model.nsa.window=256` reaches it, and it round-trips through config.json. Fields marked
+`runtime_field(...)` (models/config.py) say how the model runs, not what it computes (kernel
+implementation, remat, ...): a checkpoint may be restored or evaluated with other values.
 """
 
 from __future__ import annotations
@@ -45,7 +60,9 @@ MIXERS: dict[str, type] = {}
 FFNS: dict[str, type] = {}
 RESIDUALS: dict[str, type] = {}
 
-_KINDS = {"mixer": MIXERS, "ffn": FFNS, "residual": RESIDUALS}
+CONFIGS: dict[str, type] = {}  # component config key -> frozen dataclass (model.<key>.*)
+
+_KINDS = {"mixer": MIXERS, "ffn": FFNS, "residual": RESIDUALS, "config": CONFIGS}
 
 C = TypeVar("C", bound=type)
 
@@ -81,6 +98,12 @@ def register_residual(name: str) -> Callable[[C], C]:
     return _register("residual", name)
 
 
+def register_config(key: str) -> Callable[[C], C]:
+    """Class decorator for a component's frozen config dataclass: it becomes `ModelConfig.<key>`
+    (`--set model.<key>.<field>=...`), defaults filled in when a config does not set it."""
+    return _register("config", key)
+
+
 def load_builtins() -> None:
     """Imports the modules that register the built-in mixers, FFNs and residual schemes."""
     from . import layers, residual  # noqa: F401  (registration side effects)
@@ -107,7 +130,13 @@ def get_residual(name: str) -> type:
     return _get("residual", name)
 
 
+def component_configs() -> dict[str, type]:
+    """Registered component config classes by key (model.<key>), built-ins loaded."""
+    load_builtins()
+    return dict(CONFIGS)
+
+
 def registered(kind: str) -> list[str]:
-    """Sorted registered names of one kind: 'mixer', 'ffn' or 'residual'."""
+    """Sorted registered names of one kind: 'mixer', 'ffn', 'residual' or 'config'."""
     load_builtins()
     return sorted(_KINDS[kind])

@@ -12,6 +12,14 @@ module is split into graphdef/state and merged inside the scan body), so compile
 with depth. Without it they are R separate modules run in a Python loop. In both cases the cache is
 a tuple over the P layer positions of mixer caches stacked on a leading R axis, and cfg.remat wraps
 the per-block body in jax.checkpoint.
+
+Auxiliary outputs (models/auxiliary.py): after every block call, inside the scan body (and so under
+remat), the losses, metrics and intermediates its modules reported are popped and returned as scan
+outputs, then named per layer (layer i = r * P + p). Non-parameter state a block updated in place
+(nnx.Variables that are not Params) is returned the same way and written back into the model, so
+a training step can read it with nnx.state(model, nnx.Not(nnx.Param)). Randomness: a call with
+rngs splits one key per repeat (scanned with the blocks); layer p of a block draws from
+nnx.Rngs(fold_in(key_r, p)), so every layer gets its own stream, identically with and without scan.
 """
 
 from __future__ import annotations
@@ -25,11 +33,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .config import ModelConfig
+from . import auxiliary
+from .auxiliary import pop_outputs
 from .layers import Embedding, OutputHead, RMSNorm
+from .partitioning import constrain
 from .registry import get_ffn, get_mixer, get_residual
 from .short_conv import ShortConv
 
-Aux = dict[str, jax.Array]
+Aux = dict[str, dict[str, jax.Array]]  # {"losses", "metrics", "intermediates"}
+# Logical axes of the activations between sublayers: sharding constraints at every layer boundary
+# (models/partitioning.py; no-ops without a mesh), so the compiler does not guess their layout.
+_BTD = ("batch", "seq", "embed")
 
 
 class Layer(nnx.Module):
@@ -46,8 +60,8 @@ class Layer(nnx.Module):
         self.ffn = get_ffn(self.ffn_name)(cfg, rngs=rngs)
 
     def __call__(self, carry: Any, cache: Any, *, positions: jax.Array,
-                 segment_ids: jax.Array | None) -> tuple[Any, Any, Aux]:
-        h = self.mixer_norm(self.residual.sublayer_input(carry, 0))
+                 segment_ids: jax.Array | None, rngs: nnx.Rngs | None = None) -> tuple[Any, Any]:
+        h = constrain(self.mixer_norm(self.residual.sublayer_input(carry, 0)), _BTD)
         if self.short_conv is not None:
             h, conv_state = self.short_conv(h, segment_ids=segment_ids,
                                             state=None if cache is None else cache["conv"])
@@ -55,10 +69,11 @@ class Layer(nnx.Module):
         y, new_cache = self.mixer(h, positions=positions, segment_ids=segment_ids, cache=cache)
         if self.short_conv is not None and new_cache is not None:
             new_cache = {"mixer": new_cache, "conv": conv_state}
-        carry = self.residual.update(carry, y, 0)
-        h = self.residual.sublayer_input(carry, 1)
-        carry = self.residual.update(carry, self.ffn(self.ffn_norm(h)), 1)
-        return carry, new_cache, {}
+        carry = self.residual.update(carry, constrain(y, _BTD), 0)
+        h = constrain(self.ffn_norm(self.residual.sublayer_input(carry, 1)), _BTD)
+        y = self.ffn(h, segment_ids=segment_ids, rngs=rngs)
+        carry = self.residual.update(carry, constrain(y, _BTD), 1)
+        return carry, new_cache
 
     def init_cache(self, batch: int, max_len: int, dtype: Any) -> Any:
         mixer_cache = self.mixer.init_cache(batch, max_len, dtype)
@@ -78,15 +93,16 @@ class Block(nnx.Module):
         self.layers = nnx.List([Layer(cfg, i, rngs=rngs) for i in range(cfg.block_size)])
 
     def __call__(self, carry: Any, caches: tuple | None, *, positions: jax.Array,
-                 segment_ids: jax.Array | None) -> tuple[Any, tuple | None, Aux]:
-        new_caches, aux = [], {}
+                 segment_ids: jax.Array | None, key: jax.Array | None = None
+                 ) -> tuple[Any, tuple | None]:
+        """key: this block's PRNG key (training only); layer i draws from nnx.Rngs(fold_in(key, i))."""
+        new_caches = []
         for i, layer in enumerate(self.layers):
-            carry, new_cache, layer_aux = layer(carry, None if caches is None else caches[i],
-                                                positions=positions, segment_ids=segment_ids)
+            rngs = None if key is None else nnx.Rngs(jax.random.fold_in(key, i))
+            carry, new_cache = layer(carry, None if caches is None else caches[i],
+                                     positions=positions, segment_ids=segment_ids, rngs=rngs)
             new_caches.append(new_cache)
-            for key, value in layer_aux.items():
-                aux[key] = aux.get(key, 0.0) + value
-        return carry, (None if caches is None else tuple(new_caches)), aux
+        return carry, (None if caches is None else tuple(new_caches))
 
 
 def _remat_policy(name: str):
@@ -183,6 +199,43 @@ def rebuilding_scan(body, carry0, xs, extras, *, snapshot, rebuild):
     return run(carry0, xs, extras)
 
 
+def _has_model_state(block: nnx.Module) -> bool:
+    """Whether a block keeps non-parameter state (which the rebuilding scan does not carry)."""
+    return bool(jax.tree.leaves(nnx.state(block, nnx.Not(nnx.Param))))
+
+
+def _per_layer(stacked: dict[str, dict[str, jax.Array]], block_size: int) -> Aux:
+    """Block outputs stacked over the R repeats ({kind: {"layers/<p>/<name>": [R, ...]}}) ->
+    aux with layer index i = r * P + p: losses summed over layers, metrics per layer and
+    averaged, intermediates per layer (models/auxiliary.py)."""
+    aux = auxiliary.empty()
+    per_name: dict[str, list] = {}
+    for kind, values in stacked.items():
+        for key, value in values.items():
+            _, p, name = key.split("/", 2)  # "layers/<p>/<name below the layer>"
+            for r in range(value.shape[0]):
+                i = r * block_size + int(p)
+                if kind == "losses":
+                    aux["losses"][name] = aux["losses"].get(name, 0.0) + value[r]
+                elif kind == "metrics":
+                    aux["metrics"][f"{name}/layer_{i}"] = value[r]
+                    per_name.setdefault(name, []).append(value[r])
+                else:
+                    aux["intermediates"][f"layer_{i}/{name}"] = value[r]
+    for name, values in per_name.items():
+        aux["metrics"][name] = jnp.mean(jnp.stack(values))
+    return aux
+
+
+def _merge_model_level(aux: Aux, outputs: dict[str, dict], capture: bool) -> None:
+    """Adds outputs reported by model-level modules (embedding, head, final aggregation)."""
+    for name, value in outputs["losses"].items():
+        aux["losses"][name] = aux["losses"].get(name, 0.0) + value
+    aux["metrics"].update(outputs["metrics"])
+    if capture:
+        aux["intermediates"].update(outputs["intermediates"])
+
+
 class Transformer(nnx.Module):
     """Decoder-only Transformer built from the registries (see module docstring)."""
 
@@ -211,82 +264,102 @@ class Transformer(nnx.Module):
 
     # Forward -------------------------------------------------------------------------------
     def __call__(self, tokens: jax.Array, *, positions: jax.Array,
-                 segment_ids: jax.Array | None = None,
-                 cache: tuple | None = None) -> tuple[jax.Array, tuple | None, Aux]:
+                 segment_ids: jax.Array | None = None, cache: tuple | None = None,
+                 rngs: nnx.Rngs | None = None, capture_intermediates: bool = False
+                 ) -> tuple[jax.Array, tuple | None, Aux]:
         """tokens, positions, segment_ids [B,T] int32 -> (logits [B,T,V] float32, new_cache, aux).
 
-        aux holds auxiliary losses / statistics (keys starting with "loss/" are added to the loss
-        by the trainer); it is empty for dense models.
+        rngs: randomness for the components that draw it in training (router noise); None =
+        deterministic. aux: {"losses", "metrics", "intermediates"} as models/auxiliary.py
+        describes; the intermediates only with capture_intermediates=True.
         """
         x, new_cache, aux = self.features(tokens, positions=positions, segment_ids=segment_ids,
-                                          cache=cache)
-        return self.logits(x), new_cache, aux
+                                          cache=cache, rngs=rngs,
+                                          capture_intermediates=capture_intermediates)
+        logits = self.logits(x)
+        _merge_model_level(aux, pop_outputs(self), capture_intermediates)
+        return logits, new_cache, aux
 
     def features(self, tokens: jax.Array, *, positions: jax.Array,
-                 segment_ids: jax.Array | None = None,
-                 cache: tuple | None = None) -> tuple[jax.Array, tuple | None, Aux]:
+                 segment_ids: jax.Array | None = None, cache: tuple | None = None,
+                 rngs: nnx.Rngs | None = None, capture_intermediates: bool = False
+                 ) -> tuple[jax.Array, tuple | None, Aux]:
         """Final-normed hidden states [B,T,D] (cfg.dtype), new cache, aux; `logits` maps them to
         [.., V]. Lets generation compute logits only where it needs them."""
         self._check_inputs(tokens, positions, segment_ids, cache)
         cfg = self.cfg
         residual_cls = get_residual(cfg.residual)
-        carry = residual_cls.init_carry(cfg, self.embed(tokens))
+        carry = residual_cls.init_carry(cfg, constrain(self.embed(tokens), _BTD))
+        keys = None if rngs is None else jax.random.split(rngs(), cfg.n_repeats)
 
-        def body(carry, block_state, block_cache, graphdef):
+        def body(carry, block_state, block_cache, key, graphdef):
             block = nnx.merge(graphdef, block_state)
-            return block(carry, block_cache, positions=positions, segment_ids=segment_ids)
+            carry, new_block_cache = block(carry, block_cache, positions=positions,
+                                           segment_ids=segment_ids, key=key)
+            outputs = pop_outputs(block)
+            if not capture_intermediates:
+                outputs["intermediates"] = {}
+            # Non-parameter state the block updated in place (e.g. a routing bias).
+            return carry, new_block_cache, outputs, nnx.state(block, nnx.Not(nnx.Param))
 
         if cfg.remat != "none":
             body = jax.checkpoint(body, policy=_remat_policy(cfg.remat),
-                                  prevent_cse=not cfg.scan_layers, static_argnums=(3,))
+                                  prevent_cse=not cfg.scan_layers, static_argnums=(4,))
 
         rebuild = getattr(residual_cls, "rebuild_carry", None)
-        if cfg.scan_layers and cache is None and cfg.remat == "full" and rebuild is not None:
+        template = self._block_template()
+        if (cfg.scan_layers and cache is None and cfg.remat == "full" and rebuild is not None
+                and not capture_intermediates and not _has_model_state(template)):
             # Recomputing anyway (remat="full"), and the scheme can rebuild each layer's carry
             # from the final one: save a small snapshot per layer instead of the whole carry.
             graphdef, state = nnx.split(self.blocks)
 
-            def plain_body(carry, block_state, extras):
+            def plain_body(carry, xs, extras):
+                block_state, key = xs
                 block = nnx.merge(graphdef, block_state)
-                carry, _, aux = block(carry, None, positions=extras[0], segment_ids=extras[1])
-                return carry, aux
+                carry, _ = block(carry, None, positions=extras[0], segment_ids=extras[1], key=key)
+                outputs = pop_outputs(block)
+                return carry, (outputs["losses"], outputs["metrics"])
 
-            carry, aux_stack = rebuilding_scan(
-                plain_body, carry, state, (positions, segment_ids),
+            carry, (losses, metrics) = rebuilding_scan(
+                plain_body, carry, (state, keys), (positions, segment_ids),
                 snapshot=functools.partial(residual_cls.snapshot, cfg),
                 rebuild=functools.partial(rebuild, cfg))
-            aux = {k: jnp.sum(v) for k, v in aux_stack.items()}
+            stacked = {"losses": losses, "metrics": metrics, "intermediates": {}}
             new_cache = None
         elif cfg.scan_layers:
             graphdef, state = nnx.split(self.blocks)
 
             def scan_body(carry, xs):
-                block_state, block_cache = xs
-                carry, new_block_cache, aux = body(carry, block_state, block_cache, graphdef)
-                return carry, (new_block_cache, aux)
+                block_state, block_cache, key = xs
+                carry, new_block_cache, outputs, updated = body(carry, block_state, block_cache,
+                                                                key, graphdef)
+                return carry, (new_block_cache, outputs, updated)
 
-            carry, (new_cache, aux_stack) = jax.lax.scan(scan_body, carry, (state, cache))
-            aux = {k: jnp.sum(v) for k, v in aux_stack.items()}
+            carry, (new_cache, stacked, updated) = jax.lax.scan(scan_body, carry,
+                                                                (state, cache, keys))
+            nnx.update(self.blocks, updated)
         else:
-            new_blocks_caches, aux = [], {}
+            new_blocks_caches, per_block = [], []
             for r, block in enumerate(self.blocks):
                 graphdef, state = nnx.split(block)
                 block_cache = None if cache is None else jax.tree.map(lambda a: a[r], cache)
-                carry, new_block_cache, block_aux = body(carry, state, block_cache, graphdef)
+                carry, new_block_cache, outputs, updated = body(
+                    carry, state, block_cache, None if keys is None else keys[r], graphdef)
+                nnx.update(block, updated)
                 new_blocks_caches.append(new_block_cache)
-                for k, v in block_aux.items():
-                    aux[k] = aux.get(k, 0.0) + v
+                per_block.append(outputs)
+            stacked = jax.tree.map(lambda *a: jnp.stack(a), *per_block)
             new_cache = (None if cache is None else
                          jax.tree.map(lambda *a: jnp.stack(a), *new_blocks_caches))
         x = (residual_cls.finalize(cfg, carry) if self.residual_final is None
              else self.residual_final(carry))
-        return self.final_norm(x), new_cache, aux
+        return constrain(self.final_norm(x), _BTD), new_cache, _per_layer(stacked, cfg.block_size)
 
     def logits(self, x: jax.Array) -> jax.Array:
         """Output head: [..., T, D] hidden states -> [..., T, V] float32 logits."""
-        if self.head is None:
-            return self.embed.attend(x)
-        return self.head(x)
+        logits = self.embed.attend(x) if self.head is None else self.head(x)
+        return constrain(logits, ("batch", "seq", "vocab")) if logits.ndim == 3 else logits
 
     def _check_inputs(self, tokens, positions, segment_ids, cache) -> None:
         if tokens.ndim != 2:

@@ -12,6 +12,7 @@ slots lengths[b] .. lengths[b]+T-1 (writes past S are dropped), and query i of r
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -19,14 +20,45 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..config import ModelConfig
 from aiinfra_jax.kernels.flash_attention import AttentionMask, flash_attention
+
+from ..config import ModelConfig, check_implementation, runtime_field
 from ..layers import apply_rope, make_param, out_proj_std
-from ..registry import register_mixer
+from ..registry import register_config, register_mixer
 
 DenseCache = dict[str, jax.Array]
 
 log = logging.getLogger(__name__)
+
+KERNELS = ("dot_product_attention", "flash_attention")
+
+
+@register_config("dense")
+@dataclasses.dataclass(frozen=True)
+class DenseConfig:
+    """How dense attention runs (every field is run-time: none changes what the layer computes).
+
+    kernel: "dot_product_attention" = jax.nn.dot_product_attention with a boolean mask;
+      "flash_attention" = the shared chunked kernel (kernels/flash_attention: never a [B,H,T,T]
+      logits tensor, the choice for long contexts off-GPU) for full forward passes; cached
+      prefill / decode always use dot_product_attention.
+    implementation: the backend, in the one vocabulary of models/config.py IMPLEMENTATIONS. For
+      dot_product_attention: None = cuDNN on a GPU for bfloat16 / float16 compute when the shapes
+      allow it (falling back to XLA with a logged warning if cuDNN cannot trace), XLA otherwise;
+      "xla" or "cudnn" force one ("cudnn" raises where unavailable). For flash_attention: None,
+      "xla", "pallas_gpu" or "pallas_tpu", as for every kernel.
+    """
+
+    kernel: str = runtime_field("dot_product_attention")
+    implementation: str | None = runtime_field(None)
+    interpret: bool = runtime_field(False)  # Pallas kernels in interpret mode (CPU tests, debugging)
+
+    def __post_init__(self):
+        if self.kernel not in KERNELS:
+            raise ValueError(f"DenseConfig.kernel={self.kernel!r}: valid choices: {KERNELS}")
+        allowed = ((None, "xla", "cudnn") if self.kernel == "dot_product_attention"
+                   else (None, "xla", "pallas_gpu", "pallas_tpu"))
+        check_implementation(f"DenseConfig (kernel={self.kernel!r})", self.implementation, allowed)
 
 
 def choose_implementation(requested: str | None, dtype, head_dim: int,
@@ -41,10 +73,10 @@ def choose_implementation(requested: str | None, dtype, head_dim: int,
     ok_dtype = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     if requested == "cudnn":
         if backend != "gpu" or not ok_shape or not ok_dtype:
-            raise ValueError(f"attention_impl='cudnn' needs a GPU backend (have {backend!r}), "
+            raise ValueError(f"dense.implementation='cudnn' needs a GPU backend (have {backend!r}), "
                              f"bfloat16/float16 compute (have {jnp.dtype(dtype).name}) and "
                              f"head_dim a multiple of 8 <= 128 (have {head_dim}); use "
-                             "attention_impl=None or 'xla'")
+                             "dense.implementation=None or 'xla'")
         return "cudnn"
     if requested == "xla":
         return "xla"
@@ -52,8 +84,6 @@ def choose_implementation(requested: str | None, dtype, head_dim: int,
 
 
 def sdpa(q_bthd, k_bskd, v_bskd, mask_b1ts, requested: str | None) -> jax.Array:
-    if requested == "flash":  # cached calls: flash covers only the full forward pass
-        requested = None
     """jax.nn.dot_product_attention with a boolean mask on the chosen backend (GQA natively)."""
     impl = choose_implementation(requested, q_bthd.dtype, q_bthd.shape[-1])
     if impl == "cudnn":
@@ -94,10 +124,8 @@ def write_cache(buf_bskd: jax.Array, new_btkd: jax.Array, lengths_b: jax.Array) 
 
 @register_mixer("dense")
 class DenseAttention(nnx.Module):
-    """Projections q/k/v/o, RoPE, jax.nn.dot_product_attention (cuDNN on GPU, XLA elsewhere;
-    cfg.attention_impl overrides). attention_impl="flash" runs training / full forward passes
-    through kernels.flash_attention (chunked, never a [B,H,T,T] logits tensor: the choice for
-    long contexts off-GPU); cached prefill/decode always uses jax.nn.dot_product_attention."""
+    """Projections q/k/v/o, RoPE, then attention by cfg.dense (DenseConfig: the kernel and its
+    backend)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -125,13 +153,17 @@ class DenseAttention(nnx.Module):
         batch, seq, _ = x_btd.shape
         dt = jnp.dtype(self.cfg.dtype)
         q, k, v = self.project_qkv(x_btd, positions)
-        if cache is None and self.cfg.attention_impl == "flash":
+        run = self.cfg.dense
+        flash = run.kernel == "flash_attention"
+        sdpa_impl = None if flash else run.implementation  # cached calls of the flash setting too
+        if cache is None and flash:
             # the chunked kernel: no [B,H,T,T] logits, so long contexts fit in memory
-            y = flash_attention(q, k, v, mask=AttentionMask(causal=True), segment_ids=segment_ids)
+            y = flash_attention(q, k, v, mask=AttentionMask(causal=True), segment_ids=segment_ids,
+                                implementation=run.implementation, interpret=run.interpret)
             new_cache = None
         elif cache is None:
             mask = attention_mask(segment_ids, batch, seq)
-            y = sdpa(q, k, v, mask, self.cfg.attention_impl)
+            y = sdpa(q, k, v, mask, sdpa_impl)
             new_cache = None
         else:
             lengths = cache["lengths"]
@@ -139,7 +171,7 @@ class DenseAttention(nnx.Module):
             k_all = write_cache(cache["k"], k, lengths)
             v_all = write_cache(cache["v"], v, lengths)
             mask = cache_mask(lengths, seq, slots)
-            y = sdpa(q, k_all.astype(dt), v_all.astype(dt), mask, self.cfg.attention_impl)
+            y = sdpa(q, k_all.astype(dt), v_all.astype(dt), mask, sdpa_impl)
             if segment_ids is None:
                 added = jnp.full_like(lengths, seq)
             else:

@@ -34,9 +34,9 @@ argument (or loop inside one jit) so the O(1) writes happen in place.
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import math
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -47,36 +47,110 @@ from aiinfra_jax.kernels.block_selection import select_blocks
 from aiinfra_jax.kernels.flash_attention import AttentionMask, flash_attention
 from aiinfra_jax.kernels.sparse_attention import sparse_attention
 
-from ..config import ModelConfig
+from ..auxiliary import record
+from ..config import ModelConfig, check_implementation, runtime_field
 from ..layers import apply_rope, out_proj_std
-from ..registry import register_mixer
+from ..registry import register_config, register_mixer
 from .dense import write_cache
 
 NSACache = dict[str, jax.Array]
+
+
+@register_config("nsa")
+@dataclasses.dataclass(frozen=True)
+class NSAConfig:
+    """Native Sparse Attention (arXiv 2502.11089) settings, used by layers whose mixer is "nsa".
+
+    Sizes: compression blocks of length cmp_block_len (l) with stride cmp_stride (d); selection
+    blocks of length sel_block_size (l'), n_selected (n) of them per query and KV group, the n_init
+    initial and n_local local blocks always among them; a sliding window of `window` (w) keys.
+    """
+
+    cmp_block_len: int = 32
+    cmp_stride: int = 16
+    sel_block_size: int = 64
+    n_selected: int = 16
+    n_init: int = 1
+    n_local: int = 2
+    window: int = 512
+    separate_kv: bool = True  # separate K/V projections per branch (the paper's recommendation)
+    remap: str = "overlap"  # "overlap" | "eq9": compression -> selection score remap
+    cmp_mlp_hidden: int | None = None  # hidden width of the compression MLP; None = head_dim
+    # Initial biases of the per-head sigmoid gates (compressed, selected, window): the default
+    # starts the window branch at sigmoid(1) = 0.73 and the two sparse branches at 0.27.
+    gate_bias: tuple[float, ...] = (-1.0, -1.0, 1.0)
+    # Query heads with a window branch: the first `window_heads` of them; None = every head. The
+    # other heads' window gate is fixed at 0, so everything they read comes through compression
+    # and selection (the n_init / n_local blocks still give them the start and the recent past).
+    # A small model otherwise learns to retrieve inside the window only and never trains the far
+    # route (eval/BENCHMARKS.md, issue 5). Their window attention is still computed (and counted
+    # in flops_per_token): simpler than a per-head kernel call, and cheap next to the rest.
+    window_heads: int | None = None
+    # Kernel backend of all three branches (models/config.py IMPLEMENTATIONS without "cudnn").
+    implementation: str | None = runtime_field(None)
+    interpret: bool = runtime_field(False)  # Pallas kernels in interpret mode (CPU tests, debugging)
+
+    def __post_init__(self):
+        for name in ("cmp_block_len", "cmp_stride", "sel_block_size", "n_selected", "window"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"NSAConfig.{name}={v!r}: must be a positive int")
+        for name in ("n_init", "n_local"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"NSAConfig.{name}={v!r}: must be a non-negative int")
+        if self.cmp_stride > self.cmp_block_len:
+            raise ValueError(f"NSAConfig.cmp_stride={self.cmp_stride}: must be <= cmp_block_len="
+                             f"{self.cmp_block_len} (blocks overlap or touch, never leave gaps)")
+        if self.n_init + self.n_local > self.n_selected:
+            raise ValueError(f"NSAConfig.n_selected={self.n_selected}: must be >= n_init + n_local "
+                             f"= {self.n_init + self.n_local} (the always-selected blocks)")
+        if self.remap not in ("overlap", "eq9"):
+            raise ValueError(f"NSAConfig.remap={self.remap!r}: valid choices: 'overlap', 'eq9'")
+        if self.remap == "eq9" and (self.cmp_block_len % self.cmp_stride
+                                    or self.sel_block_size % self.cmp_stride):
+            raise ValueError(f"NSAConfig.remap='eq9' needs cmp_stride={self.cmp_stride} to divide "
+                             f"cmp_block_len={self.cmp_block_len} and sel_block_size="
+                             f"{self.sel_block_size}; use remap='overlap' or change the sizes")
+        wh = self.window_heads
+        if wh is not None and (not isinstance(wh, int) or isinstance(wh, bool) or wh < 0):
+            raise ValueError(f"NSAConfig.window_heads={wh!r}: must be an int >= 0 (the first "
+                             "window_heads query heads keep the window branch) or None (all)")
+        h = self.cmp_mlp_hidden
+        if h is not None and (not isinstance(h, int) or isinstance(h, bool) or h <= 0):
+            raise ValueError(f"NSAConfig.cmp_mlp_hidden={h!r}: must be a positive int or None "
+                             "(= head_dim)")
+        if isinstance(self.gate_bias, list):
+            object.__setattr__(self, "gate_bias", tuple(self.gate_bias))
+        gb = self.gate_bias
+        if (not isinstance(gb, tuple) or len(gb) != 3 or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+                for x in gb)):
+            raise ValueError(f"NSAConfig.gate_bias={gb!r}: must be 3 finite numbers (compressed, "
+                             "selected, window gate biases)")
+        check_implementation("NSAConfig", self.implementation)
+
+    def check_model(self, cfg: ModelConfig) -> None:
+        """Checks against the model's sizes (called by ModelConfig's validation)."""
+        if self.window_heads is not None and self.window_heads > cfg.n_heads:
+            raise ValueError(f"ModelConfig.nsa: NSAConfig.window_heads={self.window_heads} exceeds "
+                             f"n_heads={cfg.n_heads}; use at most n_heads (None = every head)")
+
+
 BRANCHES = ("cmp", "slc", "win")  # order of the gate's last axis and of NSAConfig.gate_bias
-_RECORDERS: list[list[dict[str, np.ndarray]]] = []  # open record_branches() blocks, innermost last
 
 
-@contextlib.contextmanager
-def record_branches() -> Iterator[list[dict[str, np.ndarray]]]:
-    """Diagnostics: records, for every NSA layer call traced inside the block, its selected blocks
-    ("idx" [B,T,K,n]) and gates ("gates" [B,T,H,3], order BRANCHES) as numpy arrays, in call order
-    (layer by layer, through jit and scan; eval/nsa_probe.py reads them). The recording is a host
-    callback placed at trace time: call the model eagerly, or jit a function first traced inside
-    the block (a function traced earlier does not record; one traced inside keeps recording into
-    this list)."""
-    records: list[dict[str, np.ndarray]] = []
-    _RECORDERS.append(records)
-    try:
-        yield records
-    finally:
-        _RECORDERS.remove(records)
-
-
-def _record(idx: jax.Array, gates: jax.Array) -> None:
-    records = _RECORDERS[-1]
-    jax.debug.callback(lambda i, g: records.append({"idx": np.asarray(i), "gates": np.asarray(g)}),
-                       idx, gates, ordered=True)
+def branch_records(aux: dict) -> list[dict[str, jax.Array]]:
+    """Diagnostics: per NSA layer, in layer order, its selected blocks ("idx" [B,T,K,n]) and gates
+    ("gates" [B,T,H,3], order BRANCHES), from the aux of a model called with
+    capture_intermediates=True (eval/nsa_probe.py reads them)."""
+    found: dict[int, dict[str, jax.Array]] = {}
+    for key, value in aux["intermediates"].items():
+        layer, name = key.split("/", 1)  # "layer_<i>/mixer/<name>"
+        if name in ("mixer/selected_blocks", "mixer/gates"):
+            entry = found.setdefault(int(layer.removeprefix("layer_")), {})
+            entry["idx" if name.endswith("selected_blocks") else "gates"] = value
+    return [found[i] for i in sorted(found)]
 
 
 def require_nsa(mixers: Sequence[str], what: str) -> None:
@@ -234,30 +308,31 @@ class NSAttention(nnx.Module):
         """Gated sum [B,T,H,Dh] of the three branches. kv: branch -> (k, v) in the compute dtype;
         seq_len: raw key length of the slc keys; win_offset: q_offset for the window keys."""
         c = self.cfg.nsa
-        impl = c.implementation
+        kernel = dict(implementation=c.implementation, interpret=c.interpret)
         k_cmp, v_cmp = kv["cmp"]
         cmp_seg = None if segment_ids is None else (segment_ids, cmp_segment_ids)
         o_cmp, lse_cmp = flash_attention(
             q, k_cmp, v_cmp, mask=AttentionMask(compressed=(c.cmp_block_len, c.cmp_stride)),
-            segment_ids=cmp_seg, q_offset=q_offset, return_lse=True, implementation=impl)
+            segment_ids=cmp_seg, q_offset=q_offset, return_lse=True, **kernel)
         idx = select_blocks(q, k_cmp, lse_cmp, seq_len=seq_len, cmp_block_len=c.cmp_block_len,
                             cmp_stride=c.cmp_stride, block_size=c.sel_block_size,
                             n_selected=c.n_selected, n_init=c.n_init, n_local=c.n_local,
                             remap=c.remap, q_offset=q_offset, q_segment_ids=segment_ids,
-                            implementation=impl)
-        if _RECORDERS:
-            _record(idx, gates)
+                            **kernel)
+        # Diagnostics (eval/nsa_probe.py): returned by model(..., capture_intermediates=True).
+        record(self, "selected_blocks", idx)
+        record(self, "gates", gates)
         k_slc, v_slc = kv["slc"]
         if q_offset is not None and q.shape[1] == 1:
             o_slc = self._decode_selected(q, k_slc, v_slc, idx, q_offset)
         else:
             o_slc = sparse_attention(q, k_slc.astype(q.dtype), v_slc.astype(q.dtype), idx,
                                      block_size=c.sel_block_size, segment_ids=segment_ids,
-                                     q_offset=q_offset, implementation=impl)
+                                     q_offset=q_offset, **kernel)
         k_win, v_win = kv["win"]
         o_win = flash_attention(q, k_win, v_win, mask=AttentionMask(window=c.window),
                                 segment_ids=segment_ids, q_offset=win_offset,
-                                implementation=impl)
+                                **kernel)
         g = gates.astype(q.dtype)
         return g[..., 0, None] * o_cmp + g[..., 1, None] * o_slc + g[..., 2, None] * o_win
 
@@ -285,7 +360,8 @@ class NSAttention(nnx.Module):
                   | (slot[None, :] - n * size <= (lengths % size)[:, None])).astype(jnp.int32)
         q_seg = jnp.ones((batch, 1), jnp.int32)
         return sparse_attention(q, k_sel, v_sel, local, block_size=size, causal=False,
-                                segment_ids=(q_seg, kv_seg), implementation=c.implementation)
+                                segment_ids=(q_seg, kv_seg), implementation=c.implementation,
+                                interpret=c.interpret)
 
     # Forward ----------------------------------------------------------------------------------
     def __call__(self, x_btd: jax.Array, *, positions: jax.Array,

@@ -113,3 +113,25 @@ def test_cli_reports_config_errors(capsys):
     assert "model.bogus" in capsys.readouterr().err
     assert main(["--config", "configs/tiny.py", "--set", "run.steps=3", "--print-config"]) == 0
     assert json.loads(capsys.readouterr().out)["run"]["steps"] == 3
+
+
+def test_config_json_of_older_runs_still_loads(caplog):
+    """Renamed (model.attention_impl) and retired (data.shuffle_seed) keys of an older run's
+    config.json are read, each with a logged note, and compare equal to the current config where
+    nothing really changed (a checkpoint from before keeps resuming)."""
+    from aiinfra_jax.checkpoint import config_differences
+
+
+    current = to_dict(Config())
+    old = json.loads(json.dumps(current))
+    del old["model"]["dense"]
+    old["model"]["attention_impl"] = "flash"
+    old["data"]["shuffle_seed"] = 0
+    with caplog.at_level("WARNING"):
+        cfg = from_dict(old)
+    assert cfg.model.dense.kernel == "flash_attention" and cfg.data == Config().data
+    assert "model.attention_impl='flash' is read as model.dense" in caplog.text
+    assert "data.shuffle_seed=0 is ignored" in caplog.text
+    assert config_differences(old, current, ("data",)) == []
+    assert config_differences(old, current, ("model",), skip=()) == [
+        "  model.dense.kernel: checkpoint 'flash_attention', current 'dot_product_attention'"]

@@ -8,7 +8,7 @@ from aiinfra_jax.data import ByteTokenizer
 from aiinfra_jax.eval import nsa_probe as npb
 from aiinfra_jax.eval.longctx import LongCtxConfig, build_examples
 from aiinfra_jax.models import ModelConfig, Transformer
-from aiinfra_jax.models.config import NSAConfig
+from aiinfra_jax.models import NSAConfig
 
 TOK = ByteTokenizer()
 
@@ -95,16 +95,15 @@ def test_branches_off_fixes_their_gates_at_exactly_zero():
     import jax
     import jax.numpy as jnp
 
-    from aiinfra_jax.models.attention.nsa import record_branches, with_branches_off
+    from aiinfra_jax.models.attention.nsa import branch_records, with_branches_off
 
     model, _ = _nsa_model(n_selected=2)
     tokens = jnp.asarray(np.random.default_rng().integers(0, 256, (1, 96)), jnp.int32)
 
     def gates(m):
-        with record_branches() as records:
-            m(tokens, positions=jnp.arange(96, dtype=jnp.int32)[None])
-            jax.effects_barrier()
-        return np.stack([r["gates"] for r in records])            # [layers,B,T,H,3]
+        _, _, aux = jax.jit(lambda m: m(tokens, positions=jnp.arange(96, dtype=jnp.int32)[None],
+                                        capture_intermediates=True))(m)
+        return np.stack([r["gates"] for r in branch_records(aux)])  # [layers,B,T,H,3]
 
     before = gates(model)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)

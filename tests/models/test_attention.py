@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from aiinfra_jax.models import ModelConfig
+from aiinfra_jax.models import DenseConfig, ModelConfig
 from aiinfra_jax.models.attention.dense import DenseAttention
 from aiinfra_jax.models.layers import apply_rope
 
@@ -39,9 +39,12 @@ def _reference(attn, x, pos, seg):
 
 
 @pytest.mark.parametrize("with_segments", [False, True])
-@pytest.mark.parametrize("impl", [None, "flash"])
-def test_gqa_matches_repeat_kv_reference(with_segments, impl):
-    attn = DenseAttention(dataclasses.replace(CFG, attention_impl=impl), rngs=nnx.Rngs(0))
+@pytest.mark.parametrize("dense", [DenseConfig(), DenseConfig(kernel="flash_attention"),
+                                   DenseConfig(kernel="flash_attention",
+                                               implementation="pallas_tpu", interpret=True)],
+                         ids=["dot_product_attention", "flash_xla", "flash_pallas_interpret"])
+def test_gqa_matches_repeat_kv_reference(with_segments, dense):
+    attn = DenseAttention(dataclasses.replace(CFG, dense=dense), rngs=nnx.Rngs(0))
     x, pos = _inputs()
     seg = jnp.array([[1, 1, 1, 2, 2, 2, 2, 3, 0, 0], [1] * 10]) if with_segments else None
     y, cache = attn(x, positions=pos, segment_ids=seg)
@@ -88,7 +91,11 @@ def test_backend_choice():
     assert choose_implementation(None, jnp.float32, 64, backend="gpu") == "xla"
     assert choose_implementation(None, jnp.bfloat16, 256, backend="gpu") == "xla"
     assert choose_implementation("xla", jnp.bfloat16, 64, backend="gpu") == "xla"
-    with pytest.raises(ValueError, match="attention_impl='cudnn' needs a GPU"):
+    with pytest.raises(ValueError, match="dense.implementation='cudnn' needs a GPU"):
         choose_implementation("cudnn", jnp.bfloat16, 64, backend="cpu")
-    with pytest.raises(ValueError, match=r"ModelConfig\.attention_impl="):
-        ModelConfig(attention_impl="tpu_magic")
+    with pytest.raises(ValueError, match=r"DenseConfig.*implementation='tpu_magic'"):
+        DenseConfig(implementation="tpu_magic")
+    with pytest.raises(ValueError, match=r"DenseConfig \(kernel='flash_attention'\).*'cudnn'"):
+        DenseConfig(kernel="flash_attention", implementation="cudnn")
+    with pytest.raises(ValueError, match=r"DenseConfig.kernel='cudnn_flash'"):
+        DenseConfig(kernel="cudnn_flash")

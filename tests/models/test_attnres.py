@@ -18,7 +18,7 @@ from flax import nnx
 from aiinfra_jax.generate import decode_step, prefill
 from aiinfra_jax.models import ModelConfig, Transformer
 from aiinfra_jax.models.attnres import BlockAttnRes, DepthAggregate, FullAttnRes
-from aiinfra_jax.models.config import AttnResConfig
+from aiinfra_jax.models import AttnResConfig
 
 # n_layers = 2: J = 4 sublayers (AttnRes layers).
 CFG = ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=32,

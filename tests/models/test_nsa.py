@@ -13,7 +13,7 @@ from aiinfra_jax.kernels.block_selection import select_blocks
 from aiinfra_jax.kernels.sparse_attention import sparse_attention
 from aiinfra_jax.models import ModelConfig, Transformer, get_mixer
 from aiinfra_jax.models.attention.nsa import NSAttention, n_compressed
-from aiinfra_jax.models.config import NSAConfig
+from aiinfra_jax.models import NSAConfig
 
 # Small sizes: compression blocks of 4 with stride 2, selection blocks of 8 (3 of them, so at
 # T = 48 most blocks are dropped), a window of 6.

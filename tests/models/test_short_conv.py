@@ -11,7 +11,7 @@ from flax import nnx
 
 from aiinfra_jax.generate import decode_step, prefill
 from aiinfra_jax.models import ModelConfig, Transformer
-from aiinfra_jax.models.config import NSAConfig
+from aiinfra_jax.models import NSAConfig
 from models.short_conv import ShortConv
 
 W = 4

@@ -68,7 +68,7 @@ def test_shapes_dtypes_and_logical_axes():
     tokens, positions = _batch()
     logits, cache, aux = _forward_fn(*nnx.split(model), tokens, positions, None)
     assert logits.shape == (B, T, CFG.vocab_size) and logits.dtype == jnp.float32
-    assert cache is None and aux == {}
+    assert cache is None and aux == {"losses": {}, "metrics": {}, "intermediates": {}}
     assert np.all(np.isfinite(logits))
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         axes = var.get_metadata("logical_axes")
