@@ -1,18 +1,17 @@
-"""Training metrics: JSONL / TensorBoard writers, a terminal progress bar, peak FLOP/s, MFU, step timing.
+"""Training metrics: JSONL / TensorBoard writers, a terminal progress bar, peak FLOP/s, MFU.
 
-- ``MetricsWriter``: one JSON line per ``write`` in ``<log_dir>/metrics.jsonl`` plus TensorBoard scalars.
+- ``MetricsWriter``: one JSON line per ``write`` in ``<log_dir>/metrics.jsonl`` plus TensorBoard scalars
+  (the training loop makes one in process 0 only: one set of logs per run, however many processes).
 - ``ProgressBar``: a single carriage-return line on a TTY, periodic plain lines otherwise (CI logs).
 - ``peak_flops_per_device``: dense peak FLOP/s of one accelerator from a table keyed by
   ``device.device_kind``, or a measured float32 matmul peak where the table has no value (CPU).
 - ``mfu``: model FLOPs utilisation from forward FLOPs per token and throughput.
-- ``StepTimer``: how much wall time is spent inside the jitted step versus outside it.
 
 No tensor shapes here; "tokens" are sequence positions processed by the model (batch * seq).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -21,7 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, TextIO
+from typing import Any, Callable, Mapping, TextIO
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +29,6 @@ import numpy as np
 __all__ = [
     "MetricsWriter",
     "ProgressBar",
-    "StepTimer",
     "mfu",
     "peak_flops_per_device",
     "PEAK_FLOPS_TABLE",
@@ -387,96 +385,3 @@ def mfu(flops_per_token_fwd: float, tokens_per_sec: float, n_devices: int, peak:
             f"flops_per_token_fwd and tokens_per_sec must be >= 0, got {flops_per_token_fwd!r}, {tokens_per_sec!r}"
         )
     return 3.0 * flops_per_token_fwd * tokens_per_sec / (n_devices * peak)
-
-
-# --------------------------------------------------------------------------------------------------
-# Step timing
-# --------------------------------------------------------------------------------------------------
-
-
-class StepTimer:
-    """Splits wall time into time inside the jitted train step and time outside it.
-
-    Usage::
-
-        timer = StepTimer()
-        for ...:
-            with timer.section("data"):
-                batch = next(it)
-            with timer.step():
-                state, metrics = train_step(state, batch)
-                timer.wait(metrics)          # see below
-            with timer.section("checkpoint"):
-                ckpt.save(...)
-        print(timer.summary())               # outside_frac: the share of wall time not in the step
-
-    JAX dispatches asynchronously: ``train_step`` returns before the device finishes. Waiting for an
-    output inside ``step()`` (``timer.wait``) makes the step interval cover the device work, so the
-    time outside it is time the device sat idle (a slight overestimate, since waiting stops the
-    host from queueing the next step early). Without the wait, device work shows up in whichever
-    later section first blocks on it. Sections are optional labels for the outside time; wall time
-    counts from the first ``step()``/``section()`` (or ``reset()``) to the last one's end.
-    """
-
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
-        self._clock = clock
-        self.reset()
-
-    def reset(self) -> None:
-        self._start: float | None = None
-        self._end: float | None = None
-        self.step_s = 0.0
-        self.steps = 0
-        self.sections: dict[str, float] = {}
-        self._open = False
-
-    @contextlib.contextmanager
-    def _interval(self) -> Iterator[None]:
-        if self._open:
-            raise RuntimeError("StepTimer intervals cannot be nested (step()/section() inside another)")
-        self._open = True
-        start = self._clock()
-        if self._start is None:
-            self._start = start
-        try:
-            yield
-        finally:
-            self._open = False
-            self._end = self._clock()
-            self._last = self._end - start
-
-    @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
-        """Times one train-step call (put the wait for its outputs inside)."""
-        with self._interval():
-            yield
-        self.step_s += self._last
-        self.steps += 1
-
-    @contextlib.contextmanager
-    def section(self, name: str) -> Iterator[None]:
-        """Times named work outside the step (data, logging, checkpointing, eval...)."""
-        with self._interval():
-            yield
-        self.sections[name] = self.sections.get(name, 0.0) + self._last
-
-    @staticmethod
-    def wait(tree: Any) -> Any:
-        """Blocks until every array in ``tree`` is computed; returns ``tree``."""
-        return jax.block_until_ready(tree)
-
-    def summary(self) -> dict[str, float]:
-        """``wall_s``, ``step_s``, ``outside_s``, ``outside_frac``, ``steps``, ``<section>_s`` entries."""
-        wall = 0.0 if self._start is None or self._end is None else self._end - self._start
-        outside = max(wall - self.step_s, 0.0)
-        out = {
-            "wall_s": wall,
-            "step_s": self.step_s,
-            "outside_s": outside,
-            "outside_frac": outside / wall if wall > 0 else 0.0,
-            "steps": float(self.steps),
-        }
-        for name, seconds in self.sections.items():
-            out[f"{name}_s"] = seconds
-        out["untracked_s"] = max(outside - sum(self.sections.values()), 0.0)
-        return out

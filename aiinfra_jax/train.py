@@ -1,18 +1,26 @@
-"""The one training loop: the stateful shell around the pure steps of aiinfra_jax.steps.
+"""The one training loop: a short stateful shell around the pure steps of aiinfra_jax.steps.
 
-Pure parts (no I/O, jitted; in aiinfra_jax.steps): `make_optimizer`, `loss_and_stats`,
-`make_train_step`, `make_eval_step`. The stateful shell (`Trainer`) owns the mesh, the data iterators, the checkpointer, the metric writers
-and the signal handling, and never knows which mixer it trains: the model is built from the registry by
-its config and reports its own FLOPs per token.
+    summary = train(cfg)                  # or: python train.py --config configs/tiny.py --set ...
 
-State (a plain pytree, so jit shardings, optax and orbax see one simple tree):
-    {"params": nested dict of arrays, "opt_state": optax state, "step": int32,
-     "bad_step": int32 (0, or 1 + the first step whose loss or gradients were not finite)}
-A non-finite step leaves params and optimizer state unchanged (selected inside the jitted step, so the
-donated buffers always hold the last good state); the host sees `bad_step` at the next log point and
-stops, naming the step, without saving anything newer than the last good checkpoint.
+The pieces it drives: `Trainer` (aiinfra_jax.trainer: state, shardings, jitted steps, validation),
+the run directory and the state to start from (aiinfra_jax.rundir), the checkpointer, the data
+iterator, the metric writers, and in-loop hooks (aiinfra_jax.hooks: evaluations that run every N
+steps, such as the long-context scores, which the loop calls without knowing what they are).
 
-Shapes: B = global batch rows, T = sequence length, V = vocabulary, A = gradient-accumulation steps.
+A non-finite step leaves params and optimizer state unchanged (selected inside the jitted step, so
+the donated buffers always hold the last good state); the loop sees `bad_step` at the next log,
+eval, hook or checkpoint point and stops, naming the step, without saving anything newer than the
+last good checkpoint. SIGTERM / Ctrl-C save a checkpoint and return; the same command resumes.
+
+Multi-process runs (one process per host, or several on one host; README, "Multi-process and
+multi-host runs"): every process runs this same loop over its part of each batch (Trainer.shard)
+and takes part in every step, evaluation, hook and checkpoint save and restore (orbax writes the
+sharded arrays from their owners). Process 0 alone chooses the run directory (the others learn it
+from it) and writes config.json, the logs, eval.json and summary.json, and prints. The processes
+check at the start that they run the same config, and a checkpoint stores the data position of
+every process's streams. SIGTERM to any process makes all of them stop and save at the same step
+(JAX's preemption sync point); Ctrl-C ends a multi-process run without saving. A process that
+fails ends itself at once (the CLI), so that JAX's distributed service stops the others.
 """
 
 from __future__ import annotations
@@ -22,71 +30,433 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import queue
+import re
 import signal
 import sys
 import threading
 import time
+import traceback
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from aiinfra_jax import sharding as shd
-from aiinfra_jax.checkpoint import Checkpointer, NoCheckpointError, config_differences
-from aiinfra_jax.config import (Config, ConfigError, load_config, load_run_config, save_config,
-                                to_dict)
-from aiinfra_jax.data import BATCH_KEYS, load_tokenizer, make_iterator
+from aiinfra_jax.checkpoint import Checkpointer, config_differences
+from aiinfra_jax.config import Config, ConfigError, load_config, save_config, to_dict
+from aiinfra_jax.data import StreamsIterator, make_iterator
+from aiinfra_jax.hooks import TrainHook, prepare_hooks
 from aiinfra_jax.metrics import MetricsWriter, ProgressBar, mfu, peak_flops_per_device
-from aiinfra_jax.models import Transformer
-from aiinfra_jax.steps import (abstract_model, lr_schedule, make_eval_step,  # noqa: F401
-                               make_optimizer, make_train_step, merge_model, summarize_eval,
-                               weight_decay_mask)
+# Re-exported: evaluations and tools restore runs and build models through this module.
+from aiinfra_jax.rundir import choose_run_dir, initialize_from
+from aiinfra_jax.steps import lr_schedule
+from aiinfra_jax.trainer import Trainer
 
-log = logging.getLogger("aiinfra_jax.train")
-
-# ----------------------------------------------------------------------------- run directories
+__all__ = ["NonFiniteError", "main", "train"]
 
 
-def _is_finished(run_dir: Path) -> bool:
-    return (run_dir / "summary.json").exists()
+class NonFiniteError(RuntimeError):
+    pass
 
 
-def choose_run_dir(cfg: Config) -> tuple[Path, bool]:
-    """(run directory, whether to resume in it), by run.resume; never reuses a finished run."""
-    if cfg.run.run_dir:
-        d = Path(cfg.run.run_dir)
-        has_ckpt = any((d / "checkpoints").glob("*")) if (d / "checkpoints").exists() else False
-        if cfg.run.resume == "require" and not has_ckpt:
-            raise ConfigError(f"run.resume='require' but {d} holds no checkpoint")
-        if cfg.run.resume == "never" and d.exists() and any(d.iterdir()):
-            raise ConfigError(f"run.run_dir={str(d)!r} already holds a run and run.resume='never': "
-                              f"choose another run.run_dir (nothing is overwritten)")
-        return d, has_ckpt
-    base = Path(cfg.run.output_dir)
-    name = cfg.run.name
-    existing = sorted(
-        (p for p in base.glob(f"{name}*") if p.is_dir() and
-         (p.name == name or (p.name.startswith(name + "-") and p.name[len(name) + 1:].isdigit()))),
-        key=lambda p: 1 if p.name == name else int(p.name[len(name) + 1:]))
-    if cfg.run.resume in ("auto", "require") and existing:
-        newest = existing[-1]
-        if (newest / "checkpoints").exists() and not _is_finished(newest):
-            return newest, True
-    if cfg.run.resume == "require":
-        raise ConfigError(f"run.resume='require' but no unfinished run named {name!r} with a "
-                          f"checkpoint is in {base}")
-    if not existing:
-        return base / name, False
-    last = existing[-1]
-    k = 1 if last.name == name else int(last.name[len(name) + 1:])
-    return base / f"{name}-{k + 1}", False
+# ----------------------------------------------------------------------------- the loop
 
 
-# ----------------------------------------------------------------------------- the stateful shell
+def train(cfg: Config, *, hooks: Iterable[TrainHook] | None = None, stop_after: int | None = None,
+          quiet: bool = False) -> dict[str, Any]:
+    """Runs (or resumes) a training run; returns the summary (also written to run_dir/summary.json).
+
+    hooks: in-loop hooks (aiinfra_jax.hooks); None = the installed packages' registered hooks that
+    the config asks for (e.g. eval.longctx_every). stop_after: stop (with a checkpoint) once this
+    many steps are done, as if interrupted; for tests of resumption and tools that train in slices.
+    """
+    trainer = Trainer(cfg)  # validates everything that needs the devices or the tokenizer
+    cfg = trainer.cfg
+    hooks = prepare_hooks(trainer, hooks)  # bad hook settings fail before anything is created
+    procs = _Processes.of(cfg)
+    stored = dataclasses.replace(cfg, mesh=cfg.mesh.without_launch())  # what the run dir keeps
+    procs.check_same_config(to_dict(stored))
+    run_dir, resume = procs.run_dir(cfg)
+    say = (lambda *a: None) if quiet or not procs.lead else (lambda *a: print(*a, flush=True))
+    if procs.lead:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(stored, run_dir / "config.json")
+    if procs.count > 1:
+        say(f"{procs.count} processes, {jax.device_count()} devices; if one dies, the others are "
+            "stopped (by JAX's distributed service); then start them all again with the same "
+            "command, and the run resumes from its last checkpoint")
+
+    ckpt = Checkpointer(run_dir / "checkpoints", config=to_dict(stored), keep=cfg.checkpoint.keep,
+                        async_save=cfg.checkpoint.async_save)
+    train_it = make_iterator(cfg.data, trainer.tokenizer, split="train", seed=cfg.run.seed,
+                             streams=trainer.data_streams)
+    state, data_state, resumed = _starting_state(trainer, ckpt, run_dir, resume, say)
+    if data_state is not None:
+        train_it.set_state(data_state)
+    if cfg.data.stages:
+        say(_stages_line(cfg))
+    jtrain, jeval = trainer.compiled_steps()
+    speed = _Speed.of(trainer, state, say)
+
+    step = start_step = int(jax.device_get(state["step"]))
+    # On resume, metric lines logged after the checkpoint (by the interrupted run) are dropped.
+    writer = (MetricsWriter(run_dir / "logs", resume_step=step if resumed else None)
+              if procs.lead else _NoWriter())
+    can_eval = cfg.data.val_fraction > 0
+    if not can_eval:
+        say("data.val_fraction=0: no validation split, so evaluation is skipped")
+    bar = (ProgressBar(cfg.run.steps, desc=cfg.run.name)
+           if cfg.run.progress and not quiet and procs.lead else None)
+    prefetch = _Prefetcher(train_it)
+    interval = _Interval()
+    last_data_state = data_state if resumed else train_it.get_state()
+    history: list[dict] = []
+    stopped_by = None
+    failed = False
+    try:
+        with _Stop(signals=procs.count == 1) as stop:
+            while step < cfg.run.steps:
+                batch, data_state_after = interval.next_batch(prefetch)
+                state, metrics = jtrain(state, trainer.shard(batch))
+                last_data_state = data_state_after
+                interval.add(metrics)  # bounds the run-ahead; see _wait_for_step
+                step += 1
+                due = _Due.at(step, cfg, can_eval, hooks, stop.requested or procs.preempted(step),
+                              stop_after)
+                if due.anything:
+                    _raise_if_not_finite(state, ckpt, run_dir)
+                if due.log:
+                    history.append(_log(step, interval, speed, writer, bar))
+                if due.eval:
+                    val = trainer.evaluate(state, jeval, cfg.eval.batches)
+                    writer.write(step, {"val/loss": val["loss"], "val/perplexity": val["perplexity"]})
+                    interval.restart_clock()
+                if due.hooks:  # before the next step: the params buffers are donated to it
+                    model = trainer.model(state["params"], state.get("model_state"))
+                    for hook in due.hooks:
+                        writer.write(step, hook(step, model, trainer))
+                    interval.restart_clock()
+                if due.checkpoint and not due.stop:
+                    ckpt.save(step, state, procs.data_state(last_data_state))
+                if due.stop:
+                    stopped_by = due.stop
+                    break
+        ckpt.save(step, state, procs.data_state(last_data_state), force=True)
+        final = None
+        if not stopped_by and can_eval:
+            final = trainer.evaluate(state, jeval, cfg.eval.final_batches)
+        ckpt.wait()
+    except BaseException as e:
+        failed = True
+        if procs.count > 1 and _lost_a_process(e):
+            last = ckpt.latest_step()
+            raise shd.DistributedError(
+                f"process {procs.index} of {procs.count} lost contact with another process near "
+                f"step {step} ({str(e).strip().splitlines()[0][:300]}): a process died or its host "
+                "cannot be reached; see the other processes' logs. Start every process again with "
+                "the same command: the run resumes from its last checkpoint ("
+                + (f"step {last}" if last is not None else "none yet: from the start") + ")") from e
+        raise
+    finally:
+        prefetch.close()
+        writer.close()
+        if bar:
+            bar.close()
+        if not (failed and procs.count > 1):  # (the others are not here: orbax would wait for them)
+            ckpt.close()
+
+    if stopped_by:
+        say(f"\nstopped at step {step} ({stopped_by}); checkpoint saved in "
+            f"{run_dir / 'checkpoints'}; run the same command again to resume")
+        return {"run_dir": str(run_dir), "step": step, "finished": False,
+                "history": history, "start_step": start_step}
+    summary = _summary(run_dir, step, start_step, speed, history, final)
+    if procs.lead:
+        _write_summary(run_dir, summary)
+    say(_format_summary(summary))
+    return summary
+
+
+# ----------------------------------------------------------------------------- the loop's helpers
+
+
+def _starting_state(trainer: Trainer, ckpt: Checkpointer, run_dir: Path, resume: bool, say
+                    ) -> tuple[dict, dict | None, bool]:
+    """(state, data-iterator state or None, resumed): the run's own newest checkpoint, else the
+    checkpoint named by checkpoint.initialize_from, else a fresh state."""
+    cfg = trainer.cfg
+    if ckpt.latest_step() is not None:
+        if not resume:
+            raise RuntimeError(f"{run_dir} already holds checkpoints but was chosen for a new run")
+        state, data_state, _ = ckpt.restore(trainer.abstract_state())
+        say(f"resumed {run_dir} from step {int(state['step'])}"
+            + (" (its own checkpoint; checkpoint.initialize_from is not read again)"
+               if cfg.checkpoint.initialize_from else ""))
+        return state, data_state, True
+    state, data_state = (initialize_from(trainer, say) if cfg.checkpoint.initialize_from
+                         else (trainer.init_state(), None))
+    say(f"new run in {run_dir}")
+    return state, data_state, False
+
+
+@dataclasses.dataclass(frozen=True)
+class _Processes:
+    """This process's place in the run's processes (one, or several: multi-process runs), and the
+    points where they meet (aiinfra_jax.sharding.exchange; each waits at most mesh.init_timeout_s
+    for the others, then raises a DistributedError naming the one that did not come)."""
+
+    index: int
+    count: int
+    timeout_s: float
+
+    @classmethod
+    def of(cls, cfg: Config) -> _Processes:
+        return cls(jax.process_index(), jax.process_count(), float(cfg.mesh.init_timeout_s))
+
+    @property
+    def lead(self) -> bool:
+        """Process 0: the one that writes the run directory and prints."""
+        return self.index == 0
+
+    def check_same_config(self, config: dict) -> None:
+        """Every process must run the config of process 0 (launch settings aside)."""
+        if self.count == 1:
+            return
+        configs = shd.exchange("config check", config, self.timeout_s)
+        for i, other in enumerate(configs[1:], start=1):
+            diffs = [line.replace(": checkpoint ", ": process 0 ", 1)
+                     .replace(", current ", f", process {i} ", 1)
+                     for line in config_differences(configs[0], other, list(configs[0]))]
+            if diffs:
+                raise ConfigError(
+                    f"process {i} runs another config than process 0:\n" + "\n".join(diffs)
+                    + "\nStart every process with the same preset and --set values; only the "
+                    "mesh's launch settings (coordinator, process count and id) may differ")
+
+    def run_dir(self, cfg: Config) -> tuple[Path, bool]:
+        """choose_run_dir's answer, on process 0 (the others would race it creating the
+        directory), handed to every process."""
+        path, resume = shd.from_process_0("run directory", lambda: _jsonable_choice(cfg),
+                                          self.timeout_s)
+        return Path(path), bool(resume)
+
+    def data_state(self, local: dict | None) -> dict | None:
+        """The data position of every process's streams, for a checkpoint; with one process,
+        ``local`` itself."""
+        if self.count == 1 or local is None:
+            return local
+        states = shd.exchange("data state", local, self.timeout_s)
+        if all("states" in st for st in states):  # StreamsIterator states: each its own streams
+            return StreamsIterator.merge_states(states)
+        return states[0]  # one stream that every process reads whole (a batch they all hold)
+
+    def preempted(self, step: int) -> str | None:
+        """Multi-process runs: whether every process stops at ``step``, because some process got
+        SIGTERM (JAX's preemption sync point: all agree on the step; called after every step)."""
+        if self.count == 1:
+            return None
+        from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+        try:
+            reached = multihost_utils.reached_preemption_sync_point(step)
+        except RuntimeError:  # JAX's preemption service is off (jax_enable_preemption_service)
+            return None
+        return "SIGTERM to one of the processes (preemption sync point)" if reached else None
+
+
+def _lost_a_process(e: BaseException) -> bool:
+    """Whether ``e`` is the runtime's error for a collective or connection whose other end went
+    away (a gloo / NCCL collective, the distributed service), rather than an error of this one."""
+    return (isinstance(e, getattr(jax.errors, "JaxRuntimeError", RuntimeError))
+            and re.search(r"gloo|nccl|connection|peer|unavailable|heartbeat|coordination",
+                          str(e), re.IGNORECASE) is not None)
+
+
+def _jsonable_choice(cfg: Config) -> tuple[str, bool]:
+    run_dir, resume = choose_run_dir(cfg)
+    return str(run_dir), resume
+
+
+class _NoWriter:
+    """The metrics writer of the processes other than 0 (process 0 logs the run)."""
+
+    def write(self, step: int, metrics) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _stages_line(cfg: Config) -> str:
+    return "data stages: " + "; ".join(
+        f"from step {start + 1}: " + ", ".join(f"{src} {w:.2f}" for src, w in
+                                           zip(cfg.data.sources, weights) if w > 0)
+        for start, weights in cfg.data.stage_weights)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Speed:
+    """What turns a log interval into throughput and MFU: the model's size and cost, the peak."""
+
+    n_params: int
+    flops_per_token: float
+    tokens_per_step: int
+    n_devices: int
+    peak: float
+    lr: Callable[[int], Any]
+
+    @classmethod
+    def of(cls, trainer: Trainer, state, say) -> _Speed:
+        cfg = trainer.cfg
+        peak, peak_source = peak_flops_per_device(jax.devices()[0], cfg.model.dtype)
+        speed = cls(n_params=int(sum(x.size for x in jax.tree.leaves(state["params"]))),
+                    flops_per_token=trainer.flops_per_token(),
+                    tokens_per_step=cfg.data.batch_size * cfg.data.seq_len,
+                    n_devices=trainer.mesh.size, peak=peak,
+                    lr=lr_schedule(cfg.optim, cfg.run.steps))
+        say(f"model: {speed.n_params / 1e6:.2f}M params, {speed.flops_per_token / 1e6:.2f} "
+            f"MFLOP/token forward; mesh {dict(trainer.mesh.shape)} on "
+            f"{jax.devices()[0].device_kind}; peak {peak / 1e9:.1f} GFLOP/s per device "
+            f"({peak_source})")
+        return speed
+
+
+class _Interval:
+    """The steps since the last log point: their metrics (still on the device, at most two steps
+    unfinished), and the wall time and the time spent waiting for batches since it began."""
+
+    def __init__(self):
+        self.pending: list[dict] = []
+        self.host_wait = 0.0
+        self.start = time.perf_counter()
+
+    def next_batch(self, prefetch: _Prefetcher):
+        t0 = time.perf_counter()
+        item = prefetch.next()
+        self.host_wait += time.perf_counter() - t0
+        return item
+
+    def add(self, metrics: dict) -> None:
+        if self.pending:  # (emptied only at a log point, which waited for every step)
+            _wait_for_step(self.pending[-1])
+        self.pending.append(metrics)
+
+    def restart_clock(self) -> None:
+        """After work that is not training (validation, hooks), so throughput leaves it out."""
+        self.start = time.perf_counter()
+
+    def restart(self) -> None:
+        self.pending, self.host_wait = [], 0.0
+        self.restart_clock()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Due:
+    """What the end of a step calls for."""
+
+    log: bool
+    eval: bool
+    checkpoint: bool
+    hooks: tuple
+    stop: str | None  # why the run stops here, or None
+
+    @classmethod
+    def at(cls, step: int, cfg: Config, can_eval: bool, hooks, stop_requested: str | None,
+           stop_after: int | None) -> _Due:
+        total = cfg.run.steps
+        stop = stop_requested or (f"stop_after={stop_after}"
+                                  if stop_after is not None and step >= stop_after else None)
+        return cls(
+            log=step % cfg.run.log_every == 0 or step == total,
+            eval=bool(can_eval and cfg.eval.every and step % cfg.eval.every == 0 and step < total),
+            checkpoint=bool(cfg.checkpoint.every and step % cfg.checkpoint.every == 0),
+            hooks=tuple(h for h in hooks if step % h.every == 0),
+            stop=stop)
+
+    @property
+    def anything(self) -> bool:
+        return self.log or self.eval or self.checkpoint or bool(self.hooks) or bool(self.stop)
+
+
+def _raise_if_not_finite(state, ckpt: Checkpointer, run_dir: Path) -> None:
+    bad = int(jax.device_get(state["bad_step"]))
+    if bad:
+        raise NonFiniteError(
+            f"step {bad}: the loss or the gradients are not finite (NaN/Inf). Training stopped; "
+            f"the last good checkpoint (step {ckpt.latest_step()}) is kept in "
+            f"{run_dir / 'checkpoints'}. Try a lower optim.lr or a stricter optim.grad_clip.")
+
+
+def _log(step: int, interval: _Interval, speed: _Speed, writer: MetricsWriter,
+         bar: ProgressBar | None) -> dict:
+    """Writes the log record of the interval that ends at ``step`` (the means of its steps'
+    metrics, throughput, MFU), shows it on the progress bar, starts a new interval; returns it."""
+    values = jax.device_get(interval.pending)
+    seconds = time.perf_counter() - interval.start
+    tokens_per_sec = len(values) * speed.tokens_per_step / seconds
+    rec = {k: float(np.mean([v[k] for v in values])) for k in values[0]}
+    rec.update({
+        "step": step, "perplexity": math.exp(min(rec["loss"], 80.0)),
+        "lr": float(speed.lr(step - 1)),
+        "tokens_per_sec": tokens_per_sec,
+        "mfu": mfu(speed.flops_per_token, tokens_per_sec, speed.n_devices, speed.peak),
+        "host_wait_frac": interval.host_wait / seconds,
+    })
+    writer.write(step, rec)
+    if bar:
+        bar.update(step, loss=rec["loss"], tokens_per_sec=tokens_per_sec, mfu=rec["mfu"])
+    interval.restart()
+    return rec
+
+
+def _summary(run_dir: Path, step: int, start_step: int, speed: _Speed, history: list[dict],
+             final: dict | None) -> dict:
+    """The summary of a finished run (what train returns)."""
+    return {
+        "run_dir": str(run_dir), "step": step, "finished": True, "start_step": start_step,
+        "params": speed.n_params, "flops_per_token": speed.flops_per_token,
+        "final_train_loss": history[-1]["loss"] if history else None,
+        "validation": final,
+        "checkpoints": str(run_dir / "checkpoints"), "logs": str(run_dir / "logs"),
+        "eval_results": str(run_dir / "eval.json"), "history": history,
+    }
+
+
+def _write_summary(run_dir: Path, summary: dict) -> None:
+    """The end of a finished run: eval.json and summary.json in run_dir (by process 0)."""
+    (run_dir / "eval.json").write_text(json.dumps(summary["validation"], indent=2) + "\n")
+    (run_dir / "summary.json").write_text(json.dumps(
+        {k: v for k, v in summary.items() if k != "history"}, indent=2) + "\n")
+
+
+def _format_summary(s: dict) -> str:
+    v = s["validation"]
+    if v is None:
+        v = {"loss": float("nan"), "perplexity": float("nan"), "tokens": 0,
+             "accuracy": float("nan"), "by_position": []}
+    lines = [
+        "",
+        f"done: {s['step']} steps, {s['params'] / 1e6:.2f}M params",
+        f"  final train loss   {s['final_train_loss']:.4f}" if s["final_train_loss"] is not None
+        else "  final train loss   n/a",
+        f"  validation loss    {v['loss']:.4f}  (perplexity {v['perplexity']:.2f}, "
+        f"{v['tokens']} tokens, next-token accuracy {v['accuracy']:.3f})",
+        "  validation loss by position: " + ", ".join(
+            f"{b['positions'][0]}-{b['positions'][1]}: "
+            + (f"{b['loss']:.3f}" if b["loss"] is not None else "n/a") for b in v["by_position"]),
+        f"  checkpoint:  {s['checkpoints']}",
+        f"  logs:        {s['logs']}  (metrics.jsonl, TensorBoard events)",
+        f"  evaluation:  {s['eval_results']}",
+        f"  config:      {Path(s['run_dir']) / 'config.json'}",
+    ]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- host machinery
 
 
 class _Prefetcher:
@@ -135,160 +505,18 @@ def _wait_for_step(metrics: dict) -> None:
     jax.block_until_ready(metrics)
 
 
-class Trainer:
-    def __init__(self, cfg: Config):
-        shd.maybe_initialize_distributed(cfg.mesh)
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
-        try:  # vocab_size=0 means the tokenizer's size, rounded up to a multiple of 128
-            model_cfg = cfg.model.with_vocab(self.tokenizer.vocab_size)
-        except ValueError as e:
-            raise ConfigError(str(e)) from e
-        cfg = dataclasses.replace(cfg, model=model_cfg)
-        self.cfg = cfg
-        self.mesh = shd.make_mesh(cfg.mesh)
-        dp = shd.data_parallel_size(self.mesh)
-        micro = cfg.data.batch_size // cfg.optim.grad_accum
-        if micro % dp:
-            raise ConfigError(f"data.batch_size={cfg.data.batch_size} / optim.grad_accum="
-                              f"{cfg.optim.grad_accum} = {micro} rows per micro-batch, which the "
-                              f"{dp} data-parallel devices (mesh data*fsdp) do not divide")
-        self.graphdef, self.abstract_params, self.rest = abstract_model(cfg.model, cfg.run.seed)
-        self.param_shardings = shd.param_shardings(self.abstract_params, self.mesh)
-        self.optimizer = make_optimizer(cfg.optim, cfg.run.steps,
-                                        weight_decay_mask(self.abstract_params))
-        self.batch_sharding = shd.batch_sharding(self.mesh)
-        self.replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-        params_abs = nnx.to_pure_dict(self.abstract_params)
-        opt_abs = jax.eval_shape(self.optimizer.init, params_abs)
-        self.state_shardings = {
-            "params": self.param_shardings,
-            "opt_state": _match_param_shardings(opt_abs, params_abs, self.param_shardings,
-                                                self.replicated),
-            "step": self.replicated, "bad_step": self.replicated,
-        }
-
-    # -- state
-
-    def _init_state_fn(self):
-        cfg, seed, optimizer = self.cfg.model, self.cfg.run.seed, self.optimizer
-
-        def init():
-            model = Transformer(cfg, rngs=nnx.Rngs(seed))
-            params = nnx.to_pure_dict(nnx.split(model, nnx.Param, ...)[1])
-            return {"params": params, "opt_state": optimizer.init(params),
-                    "step": jnp.int32(0), "bad_step": jnp.int32(0)}
-
-        return init
-
-    def init_state(self):
-        """A fresh state, initialised directly into its shardings."""
-        return jax.jit(self._init_state_fn(), out_shardings=self.state_shardings)()
-
-    def abstract_state(self):
-        """ShapeDtypeStructs (with shardings) of the state, to restore a checkpoint into."""
-        shapes = jax.eval_shape(self._init_state_fn())
-        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                            shapes, self.state_shardings)
-
-    # -- steps
-
-    def compiled_steps(self):
-        train_step = make_train_step(self.graphdef, self.abstract_params, self.rest,
-                                     self.optimizer, self.cfg.optim.grad_accum)
-        eval_step = make_eval_step(self.graphdef, self.abstract_params, self.rest,
-                                   self.cfg.eval.position_buckets)
-        batch_sh = {k: self.batch_sharding for k in BATCH_KEYS}
-        jtrain = jax.jit(train_step, in_shardings=(self.state_shardings, batch_sh),
-                         out_shardings=(self.state_shardings, self.replicated),
-                         donate_argnums=(0,))
-        jeval = jax.jit(eval_step, in_shardings=(self.state_shardings["params"], batch_sh),
-                        out_shardings=self.replicated)
-        return jtrain, jeval
-
-    def longctx_grid(self):
-        """The in-loop long-context grid (eval.longctx_*), checked before training starts.
-
-        The evaluation code lives in aiinfra_jax.eval (which imports the core); it is imported here
-        lazily, only when the run asks for it, so the core never depends on it otherwise."""
-        from aiinfra_jax.eval.longctx import build_examples, small_grid
-
-        e = self.cfg.eval
-        lengths = e.longctx_lengths or (self.cfg.data.seq_len,)
-        too_long = [n for n in lengths if n > self.cfg.model.max_seq_len]
-        if too_long:
-            raise ConfigError(f"eval.longctx_lengths={tuple(lengths)}: {too_long} exceed "
-                              f"model.max_seq_len={self.cfg.model.max_seq_len}")
-        try:
-            grid = small_grid(lengths=tuple(lengths), tasks=tuple(e.longctx_tasks),
-                              depths=tuple(e.longctx_depths), samples=e.longctx_samples)
-            build_examples(self.tokenizer, grid)  # a length too short for a task fails here
-        except ValueError as err:
-            raise ConfigError(f"eval.longctx_*: {err}") from err
-        return grid
-
-    def longctx_scores(self, params, grid) -> dict[str, float]:
-        from aiinfra_jax.eval.longctx import longctx_scores
-
-        model = merge_model(self.graphdef, self.abstract_params, self.rest, params)
-        return longctx_scores(model, self.tokenizer, grid)
-
-    def evaluate(self, params, eval_step, max_batches: int, split: str = "validation"
-                 ) -> dict[str, Any]:
-        """Loss/perplexity over the first max_batches batches of a split (0 = the whole split)."""
-        total = None
-        with make_iterator(self.cfg.data, self.tokenizer, split=split, seed=self.cfg.run.seed,
-                           repeat=False) as it:
-            for i, batch in enumerate(it):
-                if max_batches and i >= max_batches:
-                    break
-                stats = eval_step(params, shd.shard_batch(_local_rows(batch), self.mesh))
-                total = stats if total is None else jax.tree.map(jnp.add, total, stats)
-        if total is None:
-            raise ValueError(f"the {split} split produced no batches; check data.sources and "
-                             f"data.val_fraction")
-        return summarize_eval(jax.device_get(total), self.cfg.data.seq_len)
-
-
-def _match_param_shardings(opt_abs, params_abs, params_sh, default):
-    """Optimizer-state leaves shaped like a parameter get that parameter's sharding."""
-    flat_p = {tuple(str(k) for k in path): sh
-              for (path, _), sh in zip(jax.tree_util.tree_flatten_with_path(params_abs)[0],
-                                       jax.tree.leaves(params_sh))}
-
-    shapes = {tuple(str(k) for k in path): leaf.shape
-              for path, leaf in jax.tree_util.tree_flatten_with_path(params_abs)[0]}
-
-    def pick(path, leaf):
-        keys = tuple(str(k) for k in path)
-        for n in range(len(keys)):  # longest matching path suffix first
-            sh = flat_p.get(keys[n:])
-            if sh is not None and shapes[keys[n:]] == leaf.shape:
-                return sh
-        return default
-
-    return jax.tree_util.tree_map_with_path(pick, opt_abs)
-
-
-def _local_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """This process's rows of a global batch (every process reads the same global batch)."""
-    n, i = jax.process_count(), jax.process_index()
-    if n == 1:
-        return batch
-    return {k: v[i * (len(v) // n):(i + 1) * (len(v) // n)] for k, v in batch.items()}
-
-
-# ----------------------------------------------------------------------------- the loop
-
-
 class _Stop:
-    """SIGTERM / Ctrl-C: ask the loop to save and exit cleanly (a second Ctrl-C aborts)."""
+    """SIGTERM / Ctrl-C: ask the loop to save and exit cleanly (a second Ctrl-C aborts).
+    ``signals=False`` (multi-process runs) leaves both alone: SIGTERM goes to JAX's preemption
+    notifier (see _Processes.preempted), Ctrl-C interrupts."""
 
-    def __init__(self):
+    def __init__(self, signals: bool = True):
         self.requested = None
+        self._signals = signals
         self._old = {}
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
+        if self._signals and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._old[sig] = signal.signal(sig, self._handle)
         return self
@@ -301,255 +529,6 @@ class _Stop:
     def __exit__(self, *exc):
         for sig, old in self._old.items():
             signal.signal(sig, old)
-
-
-class NonFiniteError(RuntimeError):
-    pass
-
-
-def train(cfg: Config, *, stop_after: int | None = None, quiet: bool = False) -> dict[str, Any]:
-    """Runs (or resumes) a training run; returns the summary (also written to run_dir/summary.json).
-
-    stop_after: stop (with a checkpoint) once this many steps are done, as if interrupted; for tests
-    of resumption and for tools that train in slices.
-    """
-    trainer = Trainer(cfg)  # validates everything that needs the devices or the tokenizer
-    cfg = trainer.cfg
-    longctx_grid = trainer.longctx_grid() if cfg.eval.longctx_every else None
-    run_dir, resume = choose_run_dir(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
-    save_config(cfg, run_dir / "config.json")
-
-    ckpt = Checkpointer(run_dir / "checkpoints", config=to_dict(cfg), keep=cfg.checkpoint.keep,
-                        async_save=cfg.checkpoint.async_save)
-    train_it = make_iterator(cfg.data, trainer.tokenizer, split="train", seed=cfg.run.seed)
-    latest = ckpt.latest_step()
-    if latest is not None:
-        if not resume:
-            raise RuntimeError(f"{run_dir} already holds checkpoints but was chosen for a new run")
-        state, data_state, _ = ckpt.restore(trainer.abstract_state())
-        say(f"resumed {run_dir} from step {int(state['step'])}"
-            + (" (its own checkpoint; checkpoint.initialize_from is not read again)"
-               if cfg.checkpoint.initialize_from else ""))
-    else:
-        state, data_state = (initialize_from(trainer, say) if cfg.checkpoint.initialize_from
-                             else (trainer.init_state(), None))
-        say(f"new run in {run_dir}")
-    if data_state is not None:
-        train_it.set_state(data_state)
-    if cfg.data.stages:
-        say("data stages: " + "; ".join(
-            f"from step {start + 1}: " + ", ".join(f"{src} {w:.2f}" for src, w in
-                                               zip(cfg.data.sources, weights) if w > 0)
-            for start, weights in cfg.data.stage_weights))
-    jtrain, jeval = trainer.compiled_steps()
-
-    n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
-    seq_len, batch_size = cfg.data.seq_len, cfg.data.batch_size
-    model_for_flops = nnx.merge(trainer.graphdef, trainer.abstract_params, trainer.rest)
-    flops_per_token = float(model_for_flops.flops_per_token(seq_len))
-    peak, peak_source = peak_flops_per_device(jax.devices()[0], cfg.model.dtype)
-    n_dev = trainer.mesh.size
-    say(f"model: {n_params / 1e6:.2f}M params, {flops_per_token / 1e6:.2f} MFLOP/token forward; "
-        f"mesh {dict(trainer.mesh.shape)} on {jax.devices()[0].device_kind}; peak "
-        f"{peak / 1e9:.1f} GFLOP/s per device ({peak_source})")
-
-    step = int(jax.device_get(state["step"]))
-    # On resume, metric lines logged after the checkpoint (by the interrupted run) are dropped.
-    writer = MetricsWriter(run_dir / "logs", resume_step=step if latest is not None else None)
-    can_eval = cfg.data.val_fraction > 0
-    if not can_eval:
-        say("data.val_fraction=0: no validation split, so evaluation is skipped")
-    start_step = step
-    total = cfg.run.steps
-    bar = ProgressBar(total, desc=cfg.run.name) if (cfg.run.progress and not quiet) else None
-    prefetch = _Prefetcher(train_it)
-    pending: list[dict] = []
-    last_data_state = data_state if latest is not None else train_it.get_state()
-    t_interval = time.perf_counter()
-    host_wait = 0.0
-    history: list[dict] = []
-    stopped_by = None
-    last_eval = None
-
-    def save(step_: int, force: bool = False):
-        ckpt.save(step_, state, last_data_state, force=force)
-
-    try:
-        with _Stop() as stop:
-            while step < total:
-                t0 = time.perf_counter()
-                batch, data_state_after = prefetch.next()
-                host_wait += time.perf_counter() - t0
-                state, metrics = jtrain(state, shd.shard_batch(_local_rows(batch), trainer.mesh))
-                last_data_state = data_state_after
-                if pending:  # (emptied only at a log point, which waited for every step)
-                    _wait_for_step(pending[-1])  # bounds the run-ahead; see _wait_for_step
-                pending.append(metrics)
-                step += 1
-                at_log = step % cfg.run.log_every == 0 or step == total
-                at_eval = (can_eval and cfg.eval.every and step % cfg.eval.every == 0
-                           and step < total)
-                at_ckpt = cfg.checkpoint.every and step % cfg.checkpoint.every == 0
-                at_longctx = longctx_grid is not None and step % cfg.eval.longctx_every == 0
-                interrupt = stop.requested or (stop_after is not None and step >= stop_after)
-                if at_log or at_eval or at_ckpt or at_longctx or interrupt:
-                    bad = int(jax.device_get(state["bad_step"]))
-                    if bad:
-                        raise NonFiniteError(
-                            f"step {bad}: the loss or the gradients are not finite (NaN/Inf). "
-                            f"Training stopped; the last good checkpoint (step "
-                            f"{ckpt.latest_step()}) is kept in {run_dir / 'checkpoints'}. Try a "
-                            f"lower optim.lr or a stricter optim.grad_clip.")
-                if at_log and pending:
-                    values = jax.device_get(pending)
-                    dt = time.perf_counter() - t_interval
-                    tokens = len(values) * batch_size * seq_len
-                    rec = {k: float(np.mean([v[k] for v in values])) for k in values[0]}
-                    rec.update({
-                        "step": step, "perplexity": math.exp(min(rec["loss"], 80.0)),
-                        "lr": float(lr_schedule(cfg.optim, total)(step - 1)),
-                        "tokens_per_sec": tokens / dt,
-                        "mfu": mfu(flops_per_token, tokens / dt, n_dev, peak),
-                        "host_wait_frac": host_wait / dt,
-                    })
-                    writer.write(step, rec)
-                    history.append(rec)
-                    if bar:
-                        bar.update(step, loss=rec["loss"], tokens_per_sec=rec["tokens_per_sec"],
-                                   mfu=rec["mfu"])
-                    pending, t_interval, host_wait = [], time.perf_counter(), 0.0
-                if at_eval:
-                    last_eval = trainer.evaluate(state["params"], jeval, cfg.eval.batches)
-                    writer.write(step, {"val/loss": last_eval["loss"],
-                                        "val/perplexity": last_eval["perplexity"]})
-                    t_interval = time.perf_counter()
-                if at_longctx:  # before the next step: the params buffers are donated to it
-                    writer.write(step, trainer.longctx_scores(state["params"], longctx_grid))
-                    t_interval = time.perf_counter()
-                if at_ckpt and not interrupt:
-                    save(step)
-                if interrupt:
-                    stopped_by = stop.requested or f"stop_after={stop_after}"
-                    break
-        if stopped_by:
-            save(step, force=True)
-            ckpt.wait()
-            say(f"\nstopped at step {step} ({stopped_by}); checkpoint saved in "
-                f"{run_dir / 'checkpoints'}; run the same command again to resume")
-            return {"run_dir": str(run_dir), "step": step, "finished": False,
-                    "history": history, "start_step": start_step}
-        save(step, force=True)
-        final = (trainer.evaluate(state["params"], jeval, cfg.eval.final_batches)
-                 if can_eval else None)
-        ckpt.wait()
-    finally:
-        prefetch.close()
-        writer.close()
-        if bar:
-            bar.close()
-        ckpt.close()
-
-    summary = {
-        "run_dir": str(run_dir), "step": step, "finished": True, "start_step": start_step,
-        "params": int(n_params), "flops_per_token": flops_per_token,
-        "final_train_loss": history[-1]["loss"] if history else None,
-        "validation": final,
-        "checkpoints": str(run_dir / "checkpoints"), "logs": str(run_dir / "logs"),
-        "eval_results": str(run_dir / "eval.json"), "history": history,
-    }
-    (run_dir / "eval.json").write_text(json.dumps(final, indent=2) + "\n")
-    (run_dir / "summary.json").write_text(json.dumps(
-        {k: v for k, v in summary.items() if k != "history"}, indent=2) + "\n")
-    say(_format_summary(summary))
-    return summary
-
-
-def checkpoint_source(spec: str) -> tuple[Path, int | None]:
-    """(checkpoints folder, step or None = newest) named by checkpoint.initialize_from: a run
-    directory, its checkpoints folder, or one step folder."""
-    path = Path(spec).expanduser()
-    step = None
-    if path.name.isdigit() and path.is_dir():
-        path, step = path.parent, int(path.name)
-    elif (path / "checkpoints").is_dir():
-        path = path / "checkpoints"
-    if not path.is_dir():
-        raise ConfigError(f"checkpoint.initialize_from={spec!r}: no such directory; pass a run "
-                          "directory (runs/NAME), its checkpoints folder, or one step folder "
-                          "(runs/NAME/checkpoints/400)")
-    return path, step
-
-
-def initialize_from(trainer: "Trainer", say) -> tuple[dict, dict | None]:
-    """(state, data_state) of the checkpoint named by checkpoint.initialize_from (see
-    CheckpointConfig). Config differences are allowed where the state keeps its tree, shapes and
-    dtypes (checked by the restore) and printed; the data stream goes on only when the data
-    section is unchanged, else it starts at its first batch."""
-    cfg = trainer.cfg
-    spec = cfg.checkpoint.initialize_from
-    folder, step = checkpoint_source(spec)
-    try:
-        source = Checkpointer(folder, config=to_dict(cfg), async_save=False, read_only=True)
-    except NoCheckpointError as e:
-        raise ConfigError(f"checkpoint.initialize_from={spec!r}: {e}; pass a run directory that "
-                          "has saved one") from e
-    try:
-        state, data_state, saved = source.restore(trainer.abstract_state(), step, compare=())
-    finally:
-        source.close()
-    start = int(jax.device_get(state["step"]))
-    if start >= cfg.run.steps:
-        raise ConfigError(f"checkpoint.initialize_from={spec!r} is at step {start} and run.steps="
-                          f"{cfg.run.steps}: nothing left to train; raise run.steps")
-    current = to_dict(cfg)
-    diffs = config_differences(saved, current, ("model", "optim"))
-    say(f"initialized from {folder} step {start}; model/optim differences from it: "
-        + ("none" if not diffs else "\n" + "\n".join(diffs)))
-    data_diffs = config_differences(saved, current, ("data",))
-    if data_diffs:
-        say("the data section differs from the checkpoint's, so the data stream starts at its "
-            "first batch:\n" + "\n".join(data_diffs))
-        data_state = None
-    return state, data_state
-
-
-def restore_run(run_dir: str | Path, *, step: int | None = None, overrides=()):
-    """(trainer, state) of a run directory's checkpoint; overrides may change data/mesh/eval only
-    (a changed model section is rejected by the checkpoint's compatibility check)."""
-    run_dir = Path(run_dir)
-    trainer = Trainer(load_run_config(run_dir, overrides))
-    ckpt = Checkpointer(run_dir / "checkpoints", config=to_dict(trainer.cfg), async_save=False,
-                        read_only=True)  # NoCheckpointError (a FileNotFoundError) if none
-    try:
-        state, _, _ = ckpt.restore(trainer.abstract_state(), step=step)
-    finally:
-        ckpt.close()
-    return trainer, state
-
-
-def _format_summary(s: dict) -> str:
-    v = s["validation"]
-    if v is None:
-        v = {"loss": float("nan"), "perplexity": float("nan"), "tokens": 0,
-             "accuracy": float("nan"), "by_position": []}
-    lines = [
-        "",
-        f"done: {s['step']} steps, {s['params'] / 1e6:.2f}M params",
-        f"  final train loss   {s['final_train_loss']:.4f}" if s["final_train_loss"] is not None
-        else "  final train loss   n/a",
-        f"  validation loss    {v['loss']:.4f}  (perplexity {v['perplexity']:.2f}, "
-        f"{v['tokens']} tokens, next-token accuracy {v['accuracy']:.3f})",
-        "  validation loss by position: " + ", ".join(
-            f"{b['positions'][0]}-{b['positions'][1]}: "
-            + (f"{b['loss']:.3f}" if b["loss"] is not None else "n/a") for b in v["by_position"]),
-        f"  checkpoint:  {s['checkpoints']}",
-        f"  logs:        {s['logs']}  (metrics.jsonl, TensorBoard events)",
-        f"  evaluation:  {s['eval_results']}",
-        f"  config:      {Path(s['run_dir']) / 'config.json'}",
-    ]
-    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -573,11 +552,50 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(to_dict(cfg), indent=2))
         return 0
     try:
-        train(cfg)
-    except (ConfigError, NonFiniteError) as e:
+        train(cfg)  # with the registered in-loop hooks the config asks for (aiinfra_jax.hooks)
+    except (ConfigError, NonFiniteError, shd.DistributedError) as e:
         print(f"error: {e}", file=sys.stderr)
+        _end_now_if_multiprocess(1, explain=not isinstance(e, shd.DistributedError))
         return 1
+    except BaseException:
+        if _multiprocess():
+            traceback.print_exc()
+            _end_now_if_multiprocess(1)
+        raise
     return 0
+
+
+def _multiprocess() -> bool:
+    return jax.distributed.is_initialized() and jax.process_count() > 1
+
+
+def _end_now_if_multiprocess(status: int, explain: bool = True) -> None:
+    """A failed process of a multi-process run ends at once: the others are then stopped by JAX's
+    distributed service (they may be waiting for it in a step). A normal exit would first wait
+    for them at the runtime's shutdown barrier, up to mesh.init_timeout_s."""
+    if not _multiprocess():
+        return
+    if explain:
+        print(f"process {jax.process_index()} of {jax.process_count()} failed (above) and ends "
+              "now; JAX's distributed service stops the other processes. Fix the cause, then "
+              "start every process again with the same command: the run resumes from its last "
+              "checkpoint", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Process 0 hosts the coordination service, whose end aborts the others at once: wait a few
+    # seconds at a last meeting, so that processes failing together (e.g. on a config check that
+    # every process makes) each print their own error first. A process stuck elsewhere does not
+    # come, and the wait ends.
+    try:
+        shd.exchange("exit", status, timeout_s=_FAREWELL_S)
+        if jax.process_index() == 0:
+            time.sleep(2.0)  # the others end first, with their own status, not the service's abort
+    except Exception:  # noqa: BLE001 -- best effort: the process ends either way
+        pass
+    os._exit(status)
+
+
+_FAREWELL_S = 10.0
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ from aiinfra_jax import sharding as shd
 from aiinfra_jax.config import apply_overrides, load_config
 from aiinfra_jax.data import make_iterator
 from aiinfra_jax.metrics import mfu, peak_flops_per_device
-from aiinfra_jax.train import Trainer, train
+from aiinfra_jax.train import train
+from aiinfra_jax.trainer import Trainer
 
 
 def device_description() -> str:

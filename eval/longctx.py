@@ -13,16 +13,17 @@ Writes into --out (default RUN_DIR/longctx/step_<N>):
   results.md           the same as markdown tables
   heatmap_<task>.png   depth (y) x context length (x), red (0) to green (1)
 
-Every example is generated offline (``aiinfra_jax.eval.tasks``) at exactly its length in tokens of
+Every example is generated offline (``aiinfra_jax.tasks``) at exactly its length in tokens of
 the run's tokenizer; generation is batched greedy decoding through the model's own prefill and
 cached decode (``aiinfra_jax.generate.prefill`` / ``decode_step``), so every registered mixer works
 without special cases. A length that, with the answer budget, exceeds ``model.max_seq_len`` is
 refused before any model work.
 
 The answering side is pluggable (``Answerer``, in ``aiinfra_jax.eval.answerers``, re-exported
-here): ``ModelAnswerer`` runs a model; ``CopyAnswerer`` and ``RandomAnswerer`` are stubs that check
-the scoring path (100% and ~0%). Inside training,
-``longctx_scores(model, tokenizer, cfg)`` returns a flat dict of scores to log.
+here): ``ModelAnswerer`` runs a model; any object with its call can stand in (the tests check the
+scoring path with stubs that score 100% and ~0%). Inside training, the in-loop hook
+(``aiinfra_jax.eval.longctx_hook``) calls ``longctx_scores(model, tokenizer, cfg)``, which returns a
+flat dict of scores to log.
 
 Letters: B batch of prompts, T prompt tokens, N new tokens (the answer budget).
 """
@@ -41,13 +42,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from flax import nnx
 
 from aiinfra_jax.config import ConfigError, load_run_config
 from aiinfra_jax.data import load_tokenizer
-from aiinfra_jax.eval.answerers import Answerer, CopyAnswerer, ModelAnswerer, RandomAnswerer
-from aiinfra_jax.eval.tasks import NIAH_TASKS, Example, expand_tasks, make_task_example, score
+from aiinfra_jax.eval.answerers import Answerer, ModelAnswerer
+from aiinfra_jax.load import load_model
 from aiinfra_jax.metrics import ProgressBar
 from aiinfra_jax.models.attention.nsa import check_branches, require_nsa, with_branches_off
+from aiinfra_jax.tasks import NIAH_TASKS, Example, expand_tasks, make_task_example, score
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -177,9 +180,9 @@ def check_lengths(budgets: dict[int, int], max_seq_len: int | None) -> None:
 
 
 # ----------------------------------------------------------------------------- answerers
-# Answerer, ModelAnswerer, CopyAnswerer, RandomAnswerer live in aiinfra_jax.eval.answerers;
+# Answerer and ModelAnswerer live in aiinfra_jax.eval.answerers;
 # imported above and re-exported here, where the runner and its callers have always found them.
-__all__ = ["Answerer", "CopyAnswerer", "LongCtxConfig", "ModelAnswerer", "RandomAnswerer",
+__all__ = ["Answerer", "LongCtxConfig", "ModelAnswerer",
            "longctx_scores", "main", "run_longctx", "small_grid"]
 
 
@@ -400,7 +403,7 @@ def longctx_scores(model: Any, tokenizer: Any, cfg: LongCtxConfig | None = None
     """Scores of ``model`` on a small grid, as a flat dict to log with the training metrics:
     "longctx/<task>@<length>", "longctx/niah_avg@<length>" and "longctx/niah_avg" (0-1).
 
-    ``model`` is the nnx model (the trainer can build it with ``train.merge_model``); ``cfg``
+    ``model`` is the nnx model (``Trainer.model(params)`` builds it from a state); ``cfg``
     defaults to ``small_grid()``. No files, no progress bar.
     """
     cfg = small_grid() if cfg is None else cfg
@@ -440,7 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--out", default=None, help="output folder (default RUN_DIR/longctx/step_N)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="mesh/data overrides passed to restore_run")
+                    help="overrides of the run's config: mesh, data, and the model's run-time "
+                         "settings (e.g. model.nsa.implementation=xla)")
     ap.add_argument("--branches-off", default="", metavar="cmp,slc,win",
                     help="NSA only: evaluate with these branches' gates fixed at 0")
     args = ap.parse_args(argv)
@@ -462,23 +466,20 @@ def main(argv: list[str] | None = None) -> int:
         # Everything that can be refused is refused before the checkpoint is loaded.
         examples = build_examples(tokenizer, cfg)
         check_lengths(answer_budgets(examples, cfg), run_cfg.model.max_seq_len)
-        # Imported here: train.py may import this module for the in-loop hook.
-        from aiinfra_jax.train import merge_model, restore_run  # pylint: disable=import-outside-toplevel
-
-        trainer, state = restore_run(run_dir, step=args.step, overrides=args.overrides)
-        params = state["params"]
+        loaded = load_model(run_dir, step=args.step, overrides=args.overrides)
+        model = loaded.model
         if branches_off:
-            params = with_branches_off(params, branches_off)
-        model = merge_model(trainer.graphdef, trainer.abstract_params, trainer.rest, params)
-        step = int(state["step"])
+            graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+            model = nnx.merge(graphdef, with_branches_off(params, branches_off), rest)
+        step = loaded.step
         suffix = f"_without_{'_'.join(branches_off)}" if branches_off else ""
         out = Path(args.out) if args.out else run_dir / "longctx" / f"step_{step}{suffix}"
-        answerer = ModelAnswerer(model, trainer.tokenizer, prefill_chunk=cfg.prefill_chunk,
+        answerer = ModelAnswerer(model, loaded.tokenizer, prefill_chunk=cfg.prefill_chunk,
                                  warmup=not args.no_warmup)
-        meta = {"run_dir": str(run_dir), "step": step, "mixers": list(trainer.cfg.model.mixers),
-                "branches_off": list(branches_off),
+        meta = {"run_dir": str(run_dir), "step": step,
+                "mixers": list(loaded.config.model.mixers), "branches_off": list(branches_off),
                 "tokenizer": run_cfg.data.tokenizer, "command": " ".join(sys.argv)}
-        result = run_longctx(answerer, trainer.tokenizer, cfg, out_dir=out,
+        result = run_longctx(answerer, loaded.tokenizer, cfg, out_dir=out,
                              progress=not args.no_progress, meta=meta, examples=examples)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -17,14 +17,14 @@ import sys
 from pathlib import Path
 
 from aiinfra_jax.config import ConfigError
-from aiinfra_jax.train import restore_run
+from aiinfra_jax.rundir import restore_run
 
 
 def evaluate_checkpoint(run_dir, *, step=None, overrides=(), batches: int = 0,
                         split: str = "validation") -> dict:
     trainer, state = restore_run(run_dir, step=step, overrides=overrides)
     _, jeval = trainer.compiled_steps()
-    result = trainer.evaluate(state["params"], jeval, batches, split=split)
+    result = trainer.evaluate(state, jeval, batches, split=split)
     result.update({"run_dir": str(run_dir), "step": int(state["step"]), "split": split,
                    "sources": list(trainer.cfg.data.sources), "seq_len": trainer.cfg.data.seq_len})
     return result

@@ -4,7 +4,7 @@ each one came from.
     python -m aiinfra_jax.eval.profile_step --config configs/tiny.py [--set k=v ...]
         [--step train|eval] [--calls 2] [--top 25] [--out runs/profile_step]
 
-Compiles the jitted step of `aiinfra_jax.train.Trainer` for one batch, runs it once (warm-up),
+Compiles the jitted step of `aiinfra_jax.trainer.Trainer` for one batch, runs it once (warm-up),
 then traces --calls calls with jax.profiler (a Perfetto trace lands in --out; open it in
 ui.perfetto.dev for the timeline). The printed table sums each compiled op (XLA fusion, dot, copy,
 ...) over the traced calls and divides by --calls; the op_name column is the JAX source path that

@@ -17,7 +17,7 @@ import json
 import os
 import sysconfig
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -215,8 +215,9 @@ class LocalDocuments:
 
     Built by ``open_local``, which validates everything up front (one read of each file: decoding,
     JSON syntax, the text field) so that bad data fails before training starts; the texts of
-    text and JSONL files are then re-read lazily (only offsets are kept in memory); Parquet columns
-    are held in memory.
+    text and JSONL files are then re-read lazily (only offsets are kept in memory); a Parquet file's
+    text column is held as one Arrow string array (the texts' bytes and offsets, not a Python
+    string per row), and a row becomes a Python string only when the pipeline reads it.
     """
 
     name: str
@@ -224,7 +225,7 @@ class LocalDocuments:
     # One entry per document: (relative path, kind, locator). kind "text": locator unused;
     # "jsonl": (byte offset, byte length, line number); "parquet": (table index, row).
     entries: list[tuple[str, str, Any]]
-    parquet_columns: list[Any]
+    parquet_columns: list[Any]  # one pyarrow string array per Parquet file
     text_field: str
 
     def __len__(self) -> int:
@@ -253,7 +254,7 @@ class LocalDocuments:
                 line = f.read(length)
             return _jsonl_text(line, self._path(rel), line_no, offset, self.text_field)
         table, row = loc
-        return self.parquet_columns[table][row]
+        return self.parquet_columns[table][row].as_py()
 
 
 def _jsonl_text(line: bytes, path: str, line_no: int, offset: int, field: str) -> str:
@@ -294,8 +295,16 @@ def _scan_jsonl(path: str, rel: str, field: str) -> list[tuple[str, str, Any]]:
     return entries
 
 
-def _read_parquet_column(path: str, field: str) -> list[str]:
+def _read_parquet_column(path: str, field: str) -> Any:
+    """The text column of a Parquet file as one pyarrow string array, validated (strings, no nulls).
+
+    Dependency choice: Parquet is read with pyarrow directly (a declared dependency), not through
+    Hugging Face ``datasets``: the pipeline needs random access to one column of local files, which
+    pyarrow gives without ``datasets``' cache directory, fingerprinting and Arrow copy of every file.
+    """
     try:
+        import pyarrow as pa  # pylint: disable=import-outside-toplevel
+        import pyarrow.compute as pc  # pylint: disable=import-outside-toplevel
         import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
     except ImportError as e:
         raise ValueError(
@@ -307,16 +316,18 @@ def _read_parquet_column(path: str, field: str) -> list[str]:
         raise ValueError(
             f"data file {path!r}: no column {field!r} (columns: {schema.names}); set DataConfig.text_field"
         )
-    column = pq.read_table(path, columns=[field]).column(field)
-    values = column.to_pylist()
-    for row, v in enumerate(values):
-        if not isinstance(v, str):
-            raise ValueError(
-                f"data file {path!r}, row {row}: column {field!r} holds {type(v).__name__}, expected a string"
-            )
-    if not values:
+    column = pq.read_table(path, columns=[field], memory_map=True).column(field).combine_chunks()
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        raise ValueError(
+            f"data file {path!r}: column {field!r} holds {column.type} values, expected strings; "
+            "set DataConfig.text_field to the text column"
+        )
+    if column.null_count:
+        row = pc.index(column.is_null(), True).as_py()
+        raise ValueError(f"data file {path!r}, row {row}: column {field!r} is null, expected a string")
+    if len(column) == 0:
         raise ValueError(f"data file {path!r} is empty (no rows)")
-    return values
+    return column
 
 
 def _kind(path: str, explicit: bool) -> str | None:
@@ -379,6 +390,3 @@ def open_sources(cfg: DataConfig) -> list[DocumentSource]:
     """Opens every source of ``cfg`` (in order)."""
     return [open_source(spec, cfg) for spec in cfg.sources]
 
-
-def describe(sources: Sequence[DocumentSource]) -> str:
-    return ", ".join(f"{s.name} ({len(s)} documents)" for s in sources)

@@ -2,7 +2,7 @@
 
     DataConfig(sources=("embedded", "synthetic:niah", "synthetic:mqar"), weights=(0.4, 0.4, 0.2))
 
-``<task>`` is a task of ``aiinfra_jax.eval.tasks`` (niah_single_1 ... niah_multiquery, passkey,
+``<task>`` is a task of ``aiinfra_jax.tasks`` (niah_single_1 ... niah_multiquery, passkey,
 mqar, variable_tracking) or a group ("niah": the eight NIAH variants in turn, "all": every task in
 turn). Document i is the task's example with seed 2**40 + seed * 2**32 + i (never an evaluation
 seed), at a length drawn uniformly from [min_length, max_length] and a depth drawn uniformly from
@@ -28,9 +28,8 @@ one, else a float), e.g. ``synthetic:mqar:num_queries=16`` (every key recalled i
 recall signal) or ``synthetic:variable_tracking:num_hops=2``; an option the generator does not take
 is an error at construction.
 
-Dependency note: the generators live in ``aiinfra_jax.eval.tasks`` (pure numpy; they import only
-``aiinfra_jax.data.sources``). They are imported lazily inside the factory, so ``import
-aiinfra_jax.data`` never loads ``aiinfra_jax.eval`` and there is no import cycle.
+The generators live in ``aiinfra_jax.tasks``, which this module and ``aiinfra_jax.eval`` both
+import (the core never imports ``eval``).
 Letters: L prompt tokens, A answer tokens, T = data.seq_len.
 """
 
@@ -45,6 +44,7 @@ import numpy as np
 from aiinfra_jax.data.config import DataConfig
 from aiinfra_jax.data.sources import register_source
 from aiinfra_jax.data.tokenizer import load_tokenizer
+from aiinfra_jax.tasks import ContextTooShort, expand_tasks, make_task_example
 
 # Seeds probed at construction for a task's longest need (prompt + answer); see _check_fit.
 PROBE_SEEDS = 32
@@ -121,22 +121,13 @@ def _number(value: str) -> int | float:
         return float(value)
 
 
-def _tasks():
-    """The generators, imported on first use (not at import time; see the module docstring). Not
-    stored on the source, so the source stays picklable for grain's worker processes."""
-    from aiinfra_jax.eval import tasks  # pylint: disable=import-outside-toplevel
-
-    return tasks
-
-
 class SyntheticSource:
     """A DocumentSource of pre-tokenised task examples (see the module docstring)."""
 
     def __init__(self, spec: str, cfg: DataConfig):
-        tasks = _tasks()
         self.name = spec
         group, self.options = parse_spec(spec)
-        self.tasks = tasks.expand_tasks([group])
+        self.tasks = expand_tasks([group])
         self.tokenizer = load_tokenizer(cfg.tokenizer)
         self.seq_len = cfg.seq_len
         opts = self.options
@@ -156,8 +147,8 @@ class SyntheticSource:
                              f"data.seq_len={cfg.seq_len}; documents must fit one row")
 
     def _make(self, task: str, length: int, depth: float, seed: int):
-        return _tasks().make_task_example(self.tokenizer, task, length, depth, seed,
-                                          **dict(self.options.task_options))
+        return make_task_example(self.tokenizer, task, length, depth, seed,
+                                 **dict(self.options.task_options))
 
     def _shortest_prompts(self, task: str) -> list[int]:
         """The shortest prompt (tokens) of the task's examples for the first PROBE_SEEDS evaluation
@@ -170,7 +161,7 @@ class SyntheticSource:
             except TypeError as e:  # an option the generator does not take
                 raise ValueError(f"data source {self.name!r}: task {task!r} does not take the "
                                  f"option(s) {dict(self.options.task_options)} ({e})") from e
-            except _tasks().ContextTooShort as e:
+            except ContextTooShort as e:
                 shortest.append(e.needed)
         return shortest
 
@@ -212,7 +203,7 @@ class SyntheticSource:
         seed = TRAIN_SEED_BASE + self.options.seed * 2**32 + index
         try:
             ex = self._make(task, length, depth, seed)
-        except _tasks().ContextTooShort as e:  # this example's keys are longer than usual
+        except ContextTooShort as e:  # this example's keys are longer than usual
             length = e.needed
             ex = self._make(task, length, depth, seed)
         overflow = length + ex.target_tokens.size + 1 - (self.seq_len + 1)

@@ -1,4 +1,4 @@
-"""Tests for aiinfra_jax.metrics: writers, progress bar, peak FLOPs / MFU, step timer."""
+"""Tests for aiinfra_jax.metrics: writers, progress bar, peak FLOPs / MFU."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from aiinfra_jax import metrics as M
-from aiinfra_jax.metrics import MetricsWriter, ProgressBar, StepTimer, mfu, peak_flops_per_device
+from aiinfra_jax.metrics import MetricsWriter, ProgressBar, mfu, peak_flops_per_device
 
 
 def read_jsonl(path):
@@ -171,34 +171,3 @@ def test_progress_bar_tty_redraws_one_line():
     assert text.count("\r") == 4 and text.endswith("\n") and text.count("\n") == 1
     assert "4/4 100.0%" in text
 
-
-def test_step_timer_fractions():
-    clock = FakeClock()
-    timer = StepTimer(clock=clock)
-    for _ in range(3):
-        with timer.section("data"):
-            clock.t += 0.5
-        with timer.step():
-            clock.t += 4.0
-        clock.t += 0.25  # untracked host work between intervals
-    with timer.section("checkpoint"):
-        clock.t += 1.0
-    s = timer.summary()
-    assert s["steps"] == 3 and s["step_s"] == pytest.approx(12.0)
-    assert s["wall_s"] == pytest.approx(3 * 4.75 + 1.0)
-    assert s["outside_frac"] == pytest.approx((s["wall_s"] - 12.0) / s["wall_s"])
-    assert s["data_s"] == pytest.approx(1.5) and s["checkpoint_s"] == pytest.approx(1.0)
-    assert s["untracked_s"] == pytest.approx(0.75)
-    with pytest.raises(RuntimeError, match="nested"):
-        with timer.step():
-            with timer.section("x"):
-                pass
-
-
-def test_step_timer_wait_blocks_on_real_arrays():
-    timer = StepTimer()
-    x = jax.random.normal(jax.random.key(3), (64, 64))
-    with timer.step():
-        y = timer.wait(jax.jit(lambda a: a @ a)(x))
-    np.testing.assert_allclose(np.asarray(y), np.asarray(x) @ np.asarray(x), rtol=1e-4, atol=1e-4)
-    assert timer.summary()["steps"] == 1.0

@@ -70,9 +70,9 @@ def test_packing_invariants_and_every_token_once(tmp_path):
     texts = _random_docs(rng, 30, 90)  # many documents longer than seq_len: split into pieces
     cfg = DataConfig(
         sources=(_write_jsonl(tmp_path / "d.jsonl", texts),), seq_len=seq_len, batch_size=batch_size,
-        val_fraction=0.0, shuffle_seed=int(rng.integers(1000)),
+        val_fraction=0.0,
     )
-    batches = _all_batches(make_iterator(cfg, TOK, "train", repeat=False))
+    batches = _all_batches(make_iterator(cfg, TOK, "train", seed=int(rng.integers(1000)), repeat=False))
     got = []
     for b in batches:
         got += _check_batch_and_get_pieces(b, batch_size, seq_len)

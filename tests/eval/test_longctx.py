@@ -1,4 +1,5 @@
-"""The long-context runner: a tiny random model end to end, stub answerers, early refusals."""
+"""The long-context runner: a tiny random model end to end, stub answerers, early refusals, and
+the in-loop training hook."""
 
 import json
 
@@ -8,8 +9,9 @@ from flax import nnx
 
 from aiinfra_jax.data import ByteTokenizer
 from aiinfra_jax.eval import longctx as lc
-from aiinfra_jax.eval.tasks import NIAH_TASKS, TASKS
 from aiinfra_jax.models import ModelConfig, Transformer
+from aiinfra_jax.tasks import NIAH_TASKS, TASKS
+from aiinfra_jax.tasks.haystack import encode
 
 TOK = ByteTokenizer()
 
@@ -98,11 +100,51 @@ def test_teacher_forced_scores_match_the_full_forward():
     assert "answer_nll" not in off and "Teacher-forced" not in lc.markdown_table(off)
 
 
+class CopyAnswerer:
+    """A stub that finds each expected answer's tokens in the prompt and copies them from there
+    (raising if one is missing), joined like the target, then EOS: it must score 100%."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, examples, max_new_tokens):
+        out = []
+        sep = encode(self.tokenizer, ", ").tolist()
+        for ex in examples:
+            prompt = ex.prompt_tokens.tolist()
+            row = []
+            for i, ans in enumerate(ex.answers):
+                want = encode(self.tokenizer, ans).tolist()
+                at = next((j for j in range(len(prompt) - len(want) + 1)
+                           if prompt[j:j + len(want)] == want), None)
+                if at is None:
+                    raise AssertionError(f"{ex.task}: answer {ans!r} is not in the prompt")
+                row += (sep if i else []) + prompt[at:at + len(want)]
+            out.append((row + [self.tokenizer.eos_id])[:max_new_tokens])
+        return out
+
+
+class RandomAnswerer:
+    """A stub that answers with random tokens drawn from the prompt's own token ids."""
+
+    def __init__(self, tokenizer, seed=0):
+        self.tokenizer = tokenizer
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, examples, max_new_tokens):
+        out = []
+        for ex in examples:
+            n = ex.target_tokens.size
+            row = self.rng.choice(ex.prompt_tokens[1:], size=n).tolist()
+            out.append((row + [self.tokenizer.eos_id])[:max_new_tokens])
+        return out
+
+
 def test_copy_stub_scores_100_and_random_stub_near_0():
     cfg = lc.LongCtxConfig(tasks=tuple(TASKS), lengths=(600, 900), depths=(0.0, 0.5, 1.0),
                            samples=1, batch_size=4, seed=int(np.random.default_rng().integers(99)))
-    good = lc.run_longctx(lc.CopyAnswerer(TOK), TOK, cfg, progress=False)
-    bad = lc.run_longctx(lc.RandomAnswerer(TOK, seed=1), TOK, cfg, progress=False)
+    good = lc.run_longctx(CopyAnswerer(TOK), TOK, cfg, progress=False)
+    bad = lc.run_longctx(RandomAnswerer(TOK, seed=1), TOK, cfg, progress=False)
     for task in TASKS:
         assert good["accuracy"][task]["mean"] == 1.0, task
         assert bad["accuracy"][task]["mean"] <= 0.1, task
@@ -188,3 +230,33 @@ def test_config_and_parsing():
         lc.LongCtxConfig(tasks=("nope",))
     with pytest.raises(ValueError, match="LongCtxConfig.samples"):
         lc.LongCtxConfig(samples=0)
+
+
+def test_in_loop_hook_is_registered_checks_its_grid_and_scores():
+    """The training loop finds the hook through the entry point group (aiinfra_jax.hooks) when the
+    config asks for it; check() refuses a grid that cannot run; a call gives the loop's log keys."""
+    from types import SimpleNamespace
+
+    from aiinfra_jax.config import ConfigError, load_config
+    from aiinfra_jax.eval.longctx_hook import LongCtxHook
+    from aiinfra_jax.hooks import registered_hooks
+
+    def config(*overrides):
+        return load_config(None, ["model.max_seq_len=512", "data.seq_len=256",
+                                  "eval.longctx_tasks=passkey", "eval.longctx_depths=0.5",
+                                  *overrides])
+
+    assert not [h for h in registered_hooks(config()) if h.name == "longctx"]  # longctx_every=0
+    (hook,) = [h for h in registered_hooks(config("eval.longctx_every=7")) if h.name == "longctx"]
+    assert isinstance(hook, LongCtxHook) and hook.every == 7
+    trainer = SimpleNamespace(cfg=config("eval.longctx_every=7"), tokenizer=TOK)
+    with pytest.raises(RuntimeError, match="check"):
+        hook(7, _tiny_model(), trainer)
+    hook.check(trainer)  # lengths () = data.seq_len
+    scores = hook(7, _tiny_model(), trainer)
+    assert set(scores) == {"longctx/passkey@256", "longctx/passkey@256/answer_nll"}
+    for bad, match in (("eval.longctx_lengths=600", "exceed model.max_seq_len=512"),
+                       ("eval.longctx_lengths=64", "eval.longctx_"),
+                       ("eval.longctx_tasks=nope", "eval.longctx_.*unknown task")):
+        with pytest.raises(ConfigError, match=match):
+            LongCtxHook(7).check(SimpleNamespace(cfg=config(bad), tokenizer=TOK))

@@ -25,9 +25,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from aiinfra_jax.eval.tasks import haystack as hs
-from aiinfra_jax.eval.tasks.common import (Example, check_depth, distinct, example_rng,
-                                           make_example, number7, uuid_like, word_keys)
+from aiinfra_jax.tasks import haystack as hs
+from aiinfra_jax.tasks.common import (Example, check_depth, distinct, example_rng,
+                                      make_example, number7, uuid_like, word_keys)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from aiinfra_jax.eval.tasks import haystack as hs
-from aiinfra_jax.eval.tasks.common import Example, check_depth, example_rng, make_example
+from aiinfra_jax.tasks import haystack as hs
+from aiinfra_jax.tasks.common import Example, check_depth, example_rng, make_example
 
 PREFIX = ("There is an important pass key hidden inside a lot of irrelevant text. Find it and "
           "memorize it. I will quiz you about the pass key.\n")

@@ -11,9 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from aiinfra_jax.eval.tasks.haystack import Assembled, encode
-
-METRICS = ("exact", "all")
+from aiinfra_jax.tasks.haystack import Assembled, encode
 
 # Word-pair keys ("adjective-noun"), as in RULER's needles.
 ADJECTIVES = (
@@ -107,9 +105,6 @@ class Example:
     @property
     def target_text(self) -> str:
         return ", ".join(self.answers)
-
-    def prompt_text(self, tokenizer: Any) -> str:
-        return tokenizer.decode(self.prompt_tokens)
 
 
 def make_example(tokenizer: Any, task: str, length: int, depth: float, seed: int,

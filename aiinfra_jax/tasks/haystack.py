@@ -88,6 +88,7 @@ def _split_sentences(text: str) -> list[str]:
 @functools.lru_cache(maxsize=1)
 def essay_sentences() -> tuple[str, ...]:
     """The prose sentences of the embedded corpus's pydoc topics, in corpus order."""
+    # Imported here, not at the top: aiinfra_jax.data (its synthetic source) imports this package.
     from aiinfra_jax.data.sources import EmbeddedCorpus  # pylint: disable=import-outside-toplevel
 
     corpus = EmbeddedCorpus.create()

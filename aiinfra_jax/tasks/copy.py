@@ -26,8 +26,8 @@ from __future__ import annotations
 import string
 from typing import Any
 
-from aiinfra_jax.eval.tasks import haystack as hs
-from aiinfra_jax.eval.tasks.common import Example, check_depth, example_rng, make_example
+from aiinfra_jax.tasks import haystack as hs
+from aiinfra_jax.tasks.common import Example, check_depth, example_rng, make_example
 
 PREFIX = "A secret string is hidden in the following text. Repeat it exactly.\n"
 SUFFIX = "\nWhat is the secret string? The secret string is: "

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from aiinfra_jax.eval.tasks import haystack as hs
-from aiinfra_jax.eval.tasks.common import Example, check_depth, distinct, example_rng, make_example
+from aiinfra_jax.tasks import haystack as hs
+from aiinfra_jax.tasks.common import Example, check_depth, distinct, example_rng, make_example
 
 PREFIX = "Memorize and track the chains of variable assignments hidden in the following text.\n"
 

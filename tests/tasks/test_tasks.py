@@ -1,19 +1,15 @@
-"""Task generators, scoring and the synthetic training source.
+"""Task generators and scoring (aiinfra_jax.tasks).
 
 Length slack: zero. Prompts are assembled in token space, so every prompt has exactly the requested
 number of tokens. Depth tolerance: one haystack sentence (plus the needles placed before it).
 """
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
-from aiinfra_jax.data import ByteTokenizer, DataConfig, open_source
-from aiinfra_jax.data.synthetic import SyntheticSource, parse_spec
-from aiinfra_jax.eval.tasks import (NIAH_TASKS, TASKS, ContextTooShort, exact_match, expand_tasks,
-                                    make_task_example, score, string_match_all, string_match_part)
+from aiinfra_jax.data import ByteTokenizer
+from aiinfra_jax.tasks import (NIAH_TASKS, TASKS, ContextTooShort, exact_match, expand_tasks,
+                               make_task_example, score, string_match_all, string_match_part)
 
 TOK = ByteTokenizer()
 LENGTH_SLACK = 0
@@ -67,7 +63,7 @@ def test_seeding(task):
 
 def test_niah_variants_differ_as_specified():
     single = make_task_example(TOK, "niah_single_1", 900, 0.5, 3)
-    assert "The grass is green." in single.prompt_text(TOK)
+    assert "The grass is green." in TOK.decode(single.prompt_tokens)
     assert len(single.answers) == 1 and len(single.answers[0]) == 7 and single.metric == "exact"
     uuid = make_task_example(TOK, "niah_single_3", 900, 0.5, 3)
     assert len(uuid.answers[0]) == 36 and uuid.answers[0].count("-") == 4
@@ -88,7 +84,7 @@ def test_niah_answer_prefix_restates_the_asked_key(task):
     and only in those (other keys' needles read differently), as RULER's answer prefix restates
     the query; multiquery asks four keys and ends with "Answer: "."""
     ex = make_task_example(TOK, task, 900, float(np.random.default_rng().uniform()), 7)
-    text = ex.prompt_text(TOK)
+    text = TOK.decode(ex.prompt_tokens)
     lead_in = text.rsplit("\nAnswer: ", 1)[1]
     if task == "niah_multiquery":
         assert lead_in == ""
@@ -107,7 +103,7 @@ def test_several_answers_follow_the_context_order(task):
     firsts = set()
     for seed, depth in ((0, 0.0), (1, 0.5), (2, 1.0), (3, 0.3)):
         ex = make_task_example(TOK, task, 700, depth, seed)
-        text = ex.prompt_text(TOK)
+        text = TOK.decode(ex.prompt_tokens)
         where = [text.index(f" is: {a}.") for a in ex.answers]
         assert where == sorted(where), (task, seed, ex.answers)
         firsts.add(ex.answers.index(ex.needles[0].rsplit(" ", 1)[1].rstrip(".")))
@@ -123,7 +119,7 @@ def test_copy_task_string():
     ex = make_task_example(TOK, "copy", 400, 0.5, 5)
     (secret,) = ex.answers
     assert len(secret) == 32 and secret.isalnum() and secret.lower() == secret
-    assert ex.prompt_text(TOK).count(secret) == 1 and ex.metric == "exact"
+    assert TOK.decode(ex.prompt_tokens).count(secret) == 1 and ex.metric == "exact"
     assert len(make_task_example(TOK, "copy", 400, 0.5, 5, num_chars=8).answers[0]) == 8
     with pytest.raises(ValueError, match="num_chars"):
         make_task_example(TOK, "copy", 400, 0.5, 5, num_chars=0)
@@ -164,80 +160,8 @@ def test_scoring_hand_made_cases():
         exact_match("1", "1")
 
 
-def test_synthetic_source_documents():
-    cfg = DataConfig(seq_len=700, sources=("synthetic:niah",))
-    src = open_source("synthetic:all:n=1000,seed=3,context_weight=0.1,answer_weight=2", cfg)
-    assert isinstance(src, SyntheticSource) and len(src) == 1000
-    val, train = src.split_indices("validation", 0.05), src.split_indices("train", 0.05)
-    assert len(val) == 50 and len(train) == 950 and not set(val) & set(train)
-    seen = set()
-    for i in range(len(src.tasks)):  # document i is task i mod the number of tasks
-        doc = src[i]
-        toks, w = doc["tokens"], doc["loss_weights"]
-        assert toks.size <= cfg.seq_len + 1 and toks[0] == TOK.bos_id and toks[-1] == TOK.eos_id
-        ex = src.example(i)
-        seen.add(ex.task)
-        n_ans = ex.target_tokens.size + 1
-        np.testing.assert_array_equal(w[-n_ans:], 2.0)
-        assert TOK.decode(toks[-n_ans:]) == ex.target_text
-        assert np.all((w[:-n_ans] == 0.1) | (w[:-n_ans] == 2.0))
-        np.testing.assert_array_equal(src[i]["tokens"], toks)  # deterministic
-    assert seen == set(src.tasks)
-    other = open_source("synthetic:all:n=1000,seed=4", cfg)
-    assert not np.array_equal(other[0]["tokens"], src[0]["tokens"])
-
-
-def test_synthetic_spec_errors():
-    assert parse_spec("synthetic:mqar")[0] == "mqar"
-    with pytest.raises(ValueError, match="bad option"):
-        parse_spec("synthetic:mqar:lenght")
-    with pytest.raises(ValueError, match="not a number"):
-        parse_spec("synthetic:mqar:num_queries=many")
-    # A key that is neither a source option nor a keyword of the generator (a typo) fails at once.
-    with pytest.raises(ValueError, match="does not take"):
-        open_source("synthetic:mqar:lenght=3", DataConfig())
-    with pytest.raises(ValueError, match="num_queries"):  # the generator's own validation
-        open_source("synthetic:mqar:num_queries=40", DataConfig())
-    with pytest.raises(ValueError, match="unknown task"):
-        open_source("synthetic:bogus", DataConfig())
-    with pytest.raises(ValueError, match="seq_len"):
-        open_source("synthetic:niah_multiquery", DataConfig(seq_len=300))
-
-
-def test_synthetic_source_refuses_examples_that_cannot_fit_at_construction():
-    """The row must hold the longest probed prompt + answer + EOS, not only the first seed's: a
-    multiquery source with a row one token short of the worst probe is refused up front (it used
-    to fail at the first such document, mid-run), and one token more opens."""
-    from aiinfra_jax.data.synthetic import PROBE_SEEDS
-
-    worst, lo = 0, None
-    for seed in range(PROBE_SEEDS):
-        with pytest.raises(ContextTooShort) as info:
-            make_task_example(TOK, "niah_multiquery", 1, 0.5, seed)
-        lo = lo or info.value.needed + 8  # the source's min_length: seed 0's minimum + 8
-        length = max(lo, info.value.needed)
-        ex = make_task_example(TOK, "niah_multiquery", length, 0.5, seed)
-        worst = max(worst, length + ex.target_tokens.size + 1)
-    with pytest.raises(ValueError, match=f"needing {worst} tokens.*raise data.seq_len"):
-        open_source("synthetic:niah_multiquery", DataConfig(seq_len=worst - 2))
-    open_source("synthetic:niah_multiquery", DataConfig(seq_len=worst - 1))
-
-
-def test_synthetic_generator_options_reach_the_generator():
-    cfg = DataConfig(tokenizer="byte", seq_len=512)
-    name, opts = parse_spec("synthetic:mqar:num_queries=16,context_weight=0.1")
-    assert name == "mqar" and opts.task_options == (("num_queries", 16),)
-    assert opts.context_weight == 0.1
-    dense, plain = (open_source(s, cfg) for s in ("synthetic:mqar:num_queries=16", "synthetic:mqar"))
-    i = int(np.random.default_rng().integers(len(plain)))
-    # num_queries - 1 inline recalls are marked for training (the last query is the answer).
-    assert len(dense.example(i).extra_weighted) == 15
-    assert len(plain.example(i).extra_weighted) == 3
-    assert np.sum(dense[i]["loss_weights"] > 0) > np.sum(plain[i]["loss_weights"] > 0)
-
-
 def test_copy_repeats_mark_every_later_occurrence():
-    from aiinfra_jax.eval.tasks.copy import copy_example
+    from aiinfra_jax.tasks.copy import copy_example
 
     seed = int(np.random.default_rng().integers(1 << 30))
     ex = copy_example(TOK, "copy", 420, 0.4, seed, num_chars=24, repeats=4)
@@ -250,49 +174,3 @@ def test_copy_repeats_mark_every_later_occurrence():
     assert copy_example(TOK, "copy", 420, 0.4, seed, num_chars=24).extra_weighted == ()
     with pytest.raises(ValueError, match="repeats=0 must be an int >= 1"):
         copy_example(TOK, "copy", 420, 0.4, seed, repeats=0)
-
-
-def test_synthetic_depth_range():
-    cfg = DataConfig(tokenizer="byte", seq_len=512)
-    src = open_source("synthetic:copy:min_depth=0.9,max_depth=1.0", cfg)
-    for i in np.random.default_rng().integers(len(src), size=5):
-        ex = src.example(int(i))
-        assert 0.9 <= ex.depth <= 1.0
-        # the needle ends within one filler sentence of the question
-        needle_end = ex.needle_offsets[0] + len(TOK.encode(ex.needles[0]))
-        assert ex.haystack_span[1] - needle_end <= 0.1 * ex.haystack_tokens + ex.max_sentence_tokens
-    assert {src.example(i).depth for i in range(3)} != {1.0}
-    assert open_source("synthetic:copy:min_depth=1", cfg).example(7).depth == 1.0
-    with pytest.raises(ValueError, match="0 <= min_depth <= max_depth <= 1"):
-        parse_spec("synthetic:copy:min_depth=0.8,max_depth=0.5")
-
-
-def test_data_package_does_not_import_eval():
-    code = ("import sys, aiinfra_jax.data; "
-            "print(any(m.startswith('aiinfra_jax.eval') for m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
-
-
-def test_longctx_tiny_preset_sources_open():
-    from pathlib import Path
-
-    from aiinfra_jax.config import load_preset
-
-    root = Path(__file__).resolve().parents[2]
-    cfg = load_preset(root / "configs" / "longctx_tiny.py")
-    synthetic = [s for s in cfg.data.sources if s.startswith("synthetic:")]
-    assert synthetic and "embedded" in cfg.data.sources
-    for spec in synthetic:
-        src = open_source(spec, cfg.data)
-        doc = src[int(np.random.default_rng().integers(len(src)))]
-        assert doc["tokens"].size <= cfg.data.seq_len + 1
-    # Room to evaluate at 4x the training length, answer included.
-    assert cfg.model.max_seq_len >= 4 * cfg.data.seq_len + 64
-
-
-def test_training_documents_are_not_evaluation_examples():
-    src = open_source("synthetic:niah_single_1:n=100", DataConfig(seq_len=512))
-    ex = src.example(int(src.split_indices("train", 0.05)[0]))
-    evals = {make_task_example(TOK, "niah_single_1", 400, 0.5, s).answers for s in range(200)}
-    assert ex.answers not in evals and ex.seed >= 2**40

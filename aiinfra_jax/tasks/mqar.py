@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from aiinfra_jax.eval.tasks import haystack as hs
-from aiinfra_jax.eval.tasks.common import Example, check_depth, distinct, example_rng, make_example
+from aiinfra_jax.tasks import haystack as hs
+from aiinfra_jax.tasks.common import Example, check_depth, distinct, example_rng, make_example
 
 PREFIX = "Each key below is followed by its value. When a key appears again, recall its value.\n"
 

@@ -8,13 +8,12 @@ Every task builds a prompt of exactly ``length`` tokens of the given tokenizer (
 answers (``Example``). The same (task, seed) gives the same keys and values at every length and
 depth, and the same example for the same (task, length, depth, seed).
 
-Where the generators live: here, in ``aiinfra_jax.eval.tasks``, as the issue places them, so the
-evaluation owns its tasks. They import only numpy and ``aiinfra_jax.data`` (the embedded corpus for
-the natural-text haystack), never the rest of ``aiinfra_jax.eval``, the trainer or the models. The
-training source ``aiinfra_jax.data.synthetic`` imports this package lazily, inside its factory, so
-importing ``aiinfra_jax.data`` never loads ``eval``, and there is no import cycle (data.synthetic ->
-eval.tasks -> data.sources, with data already initialised). Moving these pure generators into
-``aiinfra_jax/data/tasks`` later would change only import lines.
+Where the generators live: here, in ``aiinfra_jax.tasks``, beside ``data`` and below ``eval``,
+because both use them: ``aiinfra_jax.data.synthetic`` turns them into training documents and
+``aiinfra_jax.eval.longctx`` scores models on them. They import numpy and, for the natural-text
+haystack only, ``aiinfra_jax.data.sources`` (inside ``haystack.essay_sentences``, so that importing
+``aiinfra_jax.data``, whose ``synthetic`` module imports this package, never meets a half-initialised
+module); never the trainer, the models or ``eval``.
 
 Tasks: the eight RULER NIAH variants (``NIAH_TASKS``), "passkey", "mqar", "variable_tracking", and
 "copy" (a random string to repeat: the induction warm-up for training, see ``copy``).
@@ -25,15 +24,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from aiinfra_jax.eval.tasks.common import Example
-from aiinfra_jax.eval.tasks.copy import copy_example
-from aiinfra_jax.eval.tasks.haystack import ContextTooShort
-from aiinfra_jax.eval.tasks.mqar import mqar_example
-from aiinfra_jax.eval.tasks.niah import NIAH_VARIANTS, NIAHSpec, niah_example
-from aiinfra_jax.eval.tasks.passkey import passkey_example
-from aiinfra_jax.eval.tasks.scoring import (answer_line, exact_match, score, string_match_all,
-                                            string_match_part)
-from aiinfra_jax.eval.tasks.variable_tracking import variable_tracking_example
+from aiinfra_jax.tasks.common import Example
+from aiinfra_jax.tasks.copy import copy_example
+from aiinfra_jax.tasks.haystack import ContextTooShort
+from aiinfra_jax.tasks.mqar import mqar_example
+from aiinfra_jax.tasks.niah import NIAH_VARIANTS, NIAHSpec, niah_example
+from aiinfra_jax.tasks.passkey import passkey_example
+from aiinfra_jax.tasks.scoring import (answer_line, exact_match, score, string_match_all,
+                                       string_match_part)
+from aiinfra_jax.tasks.variable_tracking import variable_tracking_example
 
 NIAH_TASKS: tuple[str, ...] = tuple(NIAH_VARIANTS)
 TaskFn = Callable[..., Example]
