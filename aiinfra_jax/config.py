@@ -21,6 +21,7 @@ import difflib
 import importlib.util
 import json
 import logging
+import math
 import types
 import typing
 from pathlib import Path
@@ -61,6 +62,19 @@ class OptimConfig:
     grad_accum: int = 1  # micro-batches per optimizer step (the global batch is split evenly)
 
     def __post_init__(self):
+        # inf / nan pass the comparisons below (or fail them with a misleading reason); refuse them
+        # first, for every float setting (inf as lr trains NaN from the first step).
+        for f in dataclasses.fields(self):
+            if f.type not in ("float", float):
+                continue
+            value = getattr(self, f.name)
+            try:
+                finite = not isinstance(value, bool) and math.isfinite(value)
+            except TypeError:
+                finite = False
+            _check(finite, f"optim.{f.name}", value,
+                   f"must be a finite number; set optim.{f.name} to a finite value (default "
+                   f"{f.default!r})")
         _check(self.lr > 0, "optim.lr", self.lr, "must be > 0")
         _check(self.schedule in ("cosine", "linear", "constant"), "optim.schedule", self.schedule,
                "valid choices: 'cosine', 'linear', 'constant'")
@@ -86,6 +100,19 @@ class MeshConfig:
     over it (ZeRO-3). expert: expert parallelism inside MoE layers, data parallelism elsewhere.
     context: the sequence dimension split (context parallelism). tensor: Megatron-style tensor
     parallelism over heads and the FFN's hidden dimension.
+
+    Multi-process runs (several hosts, or several processes on one host; README, "Multi-process
+    and multi-host runs"): `distributed` says whether to start JAX's distributed runtime
+    (`jax.distributed.initialize`, in `aiinfra_jax.sharding.maybe_initialize_distributed`).
+    "auto" starts it when this process is told where the coordinator is (`coordinator_address`
+    or JAX_COORDINATOR_ADDRESS) or runs in a multi-process SLURM, Open MPI or TPU-pod job (which
+    JAX detects by itself); "on" always starts it; "off" never. `coordinator_address` ("host:port"
+    of process 0), `num_processes` and `process_id` are launch settings, not part of the run:
+    unset, they come from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID, then from
+    the cluster; a run directory's config.json and checkpoints store them unset
+    (`without_launch`). `init_timeout_s`: how long processes wait for each other, at start and at
+    the run's meeting points (run directory, config check, data state); `heartbeat_timeout_s`:
+    after how long without a heartbeat a process counts as dead, and the others stop.
     """
 
     data: int = dataclasses.field(default=-1, metadata={"mesh_axis": True})
@@ -94,7 +121,12 @@ class MeshConfig:
     context: int = dataclasses.field(default=1, metadata={"mesh_axis": True})
     tensor: int = dataclasses.field(default=1, metadata={"mesh_axis": True})
     num_devices: int = 0  # 0 = every visible device; n = the first n (tests, debugging)
-    distributed: str = "auto"  # "auto" (initialize when the environment says so) | "on" | "off"
+    distributed: str = "auto"  # "auto" | "on" | "off": see the class docstring
+    coordinator_address: str = ""  # "host:port" of process 0; "" = JAX_COORDINATOR_ADDRESS / cluster
+    num_processes: int = 0  # 0 = JAX_NUM_PROCESSES / the cluster's count
+    process_id: int = -1  # -1 = JAX_PROCESS_ID / the cluster's rank
+    init_timeout_s: int = 300
+    heartbeat_timeout_s: int = 100
 
     @classmethod
     def axis_names(cls) -> tuple[str, ...]:
@@ -114,6 +146,22 @@ class MeshConfig:
         _check(self.num_devices >= 0, "mesh.num_devices", self.num_devices, "must be >= 0")
         _check(self.distributed in ("auto", "on", "off"), "mesh.distributed", self.distributed,
                "valid choices: 'auto', 'on', 'off'")
+        _check(not self.coordinator_address or self.coordinator_address.rpartition(":")[2]
+               .isdigit(), "mesh.coordinator_address", self.coordinator_address,
+               "must be 'host:port' (process 0's address and a free port), or '' (unset)")
+        _check(self.num_processes >= 0, "mesh.num_processes", self.num_processes,
+               "must be >= 1, or 0 (unset)")
+        _check(self.process_id >= -1 and (self.num_processes == 0
+                                          or self.process_id < self.num_processes),
+               "mesh.process_id", self.process_id,
+               "must be in 0..num_processes-1, or -1 (unset)")
+        for key in ("init_timeout_s", "heartbeat_timeout_s"):
+            _check(getattr(self, key) >= 1, f"mesh.{key}", getattr(self, key), "must be >= 1")
+
+    def without_launch(self) -> MeshConfig:
+        """This mesh without the launch settings (coordinator, process count and id): what a run
+        directory stores, so that a resume or an evaluation is launched by its own settings."""
+        return dataclasses.replace(self, coordinator_address="", num_processes=0, process_id=-1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +249,15 @@ class Config:
         b, acc = self.data.batch_size, self.optim.grad_accum
         _check(b % acc == 0, "optim.grad_accum", acc,
                f"must divide data.batch_size={b} (each micro-batch gets batch_size/grad_accum rows)")
+        seq, max_seq = self.data.seq_len, self.model.max_seq_len
+        _check(seq >= 2, "data.seq_len", seq,
+               "must be >= 2: a row of T tokens gives T - 1 (input, next-token target) pairs; set "
+               "data.seq_len=2 or more")
+        _check(seq <= max_seq, "data.seq_len", seq,
+               f"exceeds model.max_seq_len={max_seq}, the longest sequence the model (its caches, "
+               f"generation at the training length) handles; set model.max_seq_len={seq} or more "
+               f"(a run-time setting: a checkpoint may be resumed with a larger one), or lower "
+               f"data.seq_len to {max_seq}")
 
 
 # ----------------------------------------------------------------------------- (de)serialisation

@@ -1,27 +1,34 @@
 """Data: tokenizers, document sources, and the grain pipeline that packs documents into batches.
 
-Importing this package imports grain and numpy only (never `datasets`, `tokenizers` or `tiktoken`).
+The names below load on first use (PEP 562), so importing ``aiinfra_jax.data.config`` or
+``aiinfra_jax.data.tokenizer`` (as the config, model loading and export do) never imports grain:
+inference and export run where grain is not installed (the GPU machine has none). The pipeline,
+the sources and the ``synthetic:<task>`` sources (registered by the pipeline's import) load with
+the first name that needs them;
+``pyarrow``, ``tokenizers`` and ``tiktoken`` load when a Parquet file or a tokenizer file needs them.
 """
 
-from aiinfra_jax.data.config import DataConfig
-from aiinfra_jax.data.pipeline import (BATCH_KEYS, DataIterator, StagedIterator, make_dataset,
-                                       make_iterator)
-from aiinfra_jax.data.sources import DocumentSource, open_source, register_source, registered_sources
-from aiinfra_jax.data import synthetic  # noqa: F401  (registers the "synthetic:<task>" sources)
-from aiinfra_jax.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from __future__ import annotations
 
-__all__ = [
-    "BATCH_KEYS",
-    "ByteTokenizer",
-    "DataConfig",
-    "DataIterator",
-    "DocumentSource",
-    "Tokenizer",
-    "load_tokenizer",
-    "make_dataset",
-    "make_iterator",
-    "StagedIterator",
-    "open_source",
-    "register_source",
-    "registered_sources",
-]
+import importlib
+
+_WHERE = {
+    "DataConfig": "config",
+    "BATCH_KEYS": "pipeline", "DataIterator": "pipeline", "StagedIterator": "pipeline",
+    "StreamsIterator": "pipeline",
+    "make_dataset": "pipeline", "make_iterator": "pipeline",
+    "DocumentSource": "sources", "open_source": "sources", "register_source": "sources",
+    "registered_sources": "sources",
+    "ByteTokenizer": "tokenizer", "Tokenizer": "tokenizer", "load_tokenizer": "tokenizer",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(f"{__name__}.{_WHERE[name]}")
+    if _WHERE[name] == "sources":
+        importlib.import_module(f"{__name__}.synthetic")  # registers the "synthetic:<task>" sources
+    return getattr(module, name)

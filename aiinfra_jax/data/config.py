@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
 
 LONG_DOCUMENT_MODES = ("split", "error")
 
@@ -38,14 +39,32 @@ class DataConfig:
         a path to a tiktoken BPE file (needs the ``tiktoken`` package).
       seq_len: T, tokens per row.
       batch_size: B, rows per (global) batch.
-      shuffle_seed: default seed of the document shuffle, the window shuffle and the bin shuffle.
       val_fraction: fraction of documents in the validation split; a document's split is decided by
         a stable hash (CRC32) of its id (path relative to the source root, line / row number), so it
         never depends on the seed, the Python process or the order of listing.
       long_documents: "split" cuts a document longer than T into consecutive pieces, each its own
         segment with positions restarting at 0; "error" raises, naming the document and its length.
       num_workers: grain worker processes (0 = everything in this process, with reader threads).
+      streams: the data as this many independent row streams. Stream k reads its share of every
+        source (document i of a split belongs to stream i mod streams), with its own shuffle and
+        packing, and gives batch_size / streams rows of every batch: a batch is stream 0's rows,
+        then stream 1's, and so on. What a batch holds depends on ``streams``, never on how many
+        processes read it: in a multi-process run each process reads only the streams whose rows
+        its devices hold, so ``streams`` must be a multiple of the number of processes; a
+        single-process run reads them all. 1 (the default) is the one stream single-process runs
+        have always read.
+
+    The shuffles are seeded by ``make_iterator``'s ``seed`` argument; the trainer passes
+    ``run.seed``, so one seed fixes a run's initialisation and its data order.
     """
+
+    # Fields that older versions had, with why they went. A config.json saved with one still loads:
+    # the config loader drops the field with a logged note (see aiinfra_jax.config), and a
+    # checkpoint's saved config is compared without it (checkpoint.initialize_from).
+    RETIRED_FIELDS: ClassVar[dict[str, str]] = {
+        "shuffle_seed": "the data shuffles have always been seeded by run.seed, which the "
+                        "trainer passes; data.shuffle_seed was never read by the trainer",
+    }
 
     sources: tuple[str, ...] = ("embedded",)
     weights: tuple[float, ...] = ()
@@ -53,11 +72,11 @@ class DataConfig:
     tokenizer: str = "byte"
     seq_len: int = 256
     batch_size: int = 16
-    shuffle_seed: int = 0
     val_fraction: float = 0.05
     long_documents: str = "split"
     num_workers: int = 0
     stages: tuple[tuple[int, tuple[float, ...]], ...] = ()
+    streams: int = 1
 
     def __post_init__(self) -> None:
         # Config loaders (YAML, --set) may hand in lists; store tuples so the config stays hashable.
@@ -100,10 +119,15 @@ class DataConfig:
                 f"DataConfig.tokenizer={self.tokenizer!r} must be 'byte' or a path to a "
                 "tokenizer.json (HF tokenizers) or a tiktoken BPE file"
             )
-        for name, minimum in (("seq_len", 1), ("batch_size", 1), ("shuffle_seed", 0), ("num_workers", 0)):
+        for name, minimum in (("seq_len", 1), ("batch_size", 1), ("num_workers", 0), ("streams", 1)):
             value = getattr(self, name)
             if not _is_int(value) or value < minimum:
                 raise ValueError(f"DataConfig.{name}={value!r} must be an integer >= {minimum}")
+        if self.batch_size % self.streams:
+            raise ValueError(
+                f"DataConfig.streams={self.streams} must divide batch_size={self.batch_size} (each "
+                "stream gives batch_size / streams rows of every batch)"
+            )
         vf = self.val_fraction
         if isinstance(vf, bool) or not isinstance(vf, (int, float)) or not (0.0 <= vf < 1.0):
             raise ValueError(

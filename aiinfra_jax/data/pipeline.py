@@ -33,6 +33,12 @@ start in the middle of a document and long_documents="error" could not be honour
 keeps every piece whole in one row (pieces are cut only by the explicit rule of step 4) at the
 price of some padding, which many bins (``PACKING_BINS``) keep small.
 
+Streams (``DataConfig.streams`` = S > 1; multi-process runs): stages 1-7 run S times, once per
+stream, stream k over the documents k, k + S, ... of each source's split, with its own seeds and
+batches of B / S rows; a batch is the streams' rows one after the other (``StreamsIterator``). So
+the batches are the same whichever process reads which stream, and each process reads only its
+own streams. With S = 1 the pipeline is the single stream above, seeded as it always was.
+
 Finite iteration (``repeat=False``, for validation): one pass over the split in a fixed order; the
 last batch is padded to B rows with all-padding rows (segment 0, weight 0), so a perplexity loop
 can always use fixed shapes and weight by ``loss_weights``.
@@ -49,6 +55,7 @@ import grain.experimental as grain_exp
 import numpy as np
 
 from aiinfra_jax.data import sources as sources_lib
+from aiinfra_jax.data import synthetic  # noqa: F401  (registers the "synthetic:<task>" sources)
 from aiinfra_jax.data.config import DataConfig
 from aiinfra_jax.data.tokenizer import Tokenizer
 
@@ -190,9 +197,18 @@ class _PadBatch(grain.transforms.Map):
 
 
 def _document_dataset(
-    source: sources_lib.DocumentSource, cfg: DataConfig, split: str, seed: int, salt: int
+    source: sources_lib.DocumentSource, cfg: DataConfig, split: str, seed: int, salt: int,
+    stream: int = 0,
 ) -> grain.MapDataset:
     indices = sources_lib.split_indices(source, split, cfg.val_fraction)
+    if cfg.streams > 1:  # stream k: the split's documents k, k + streams, k + 2 * streams, ...
+        indices = indices[stream :: cfg.streams]
+        if indices.size == 0:
+            raise ValueError(
+                f"data source {source.name!r}: its {split!r} split has fewer documents than "
+                f"data.streams={cfg.streams}, so stream {stream} gets none; lower data.streams or "
+                "add documents"
+            )
     return grain.MapDataset.source(_SplitView(source, indices)).shuffle(seed=_derive_seed(seed, salt, 1))
 
 
@@ -217,22 +233,27 @@ def make_dataset(
     tokenizer: Tokenizer,
     *,
     split: str,
-    seed: int | None = None,
+    seed: int = 0,
     num_epochs: int | None = None,
     weights: Sequence[float] | None = None,
+    stream: int = 0,
 ) -> grain.IterDataset:
-    """The batched grain dataset of ``split`` (see the module docstring).
+    """The batched grain dataset of ``split`` (see the module docstring), or of one of its
+    ``cfg.streams`` streams: batches of batch_size / streams rows (see DataConfig.streams).
 
     Args:
       cfg: the data settings.
       tokenizer: the tokenizer (its vocab must match the model's).
       split: "train" or "validation".
-      seed: seed of all shuffles; None = ``cfg.shuffle_seed``.
+      seed: seed of all shuffles (the trainer passes ``run.seed``).
       num_epochs: passes over each source; None = forever (training). With a finite number the
         sources are concatenated (not mixed), every document is seen ``num_epochs`` times and
         the last batch is padded to ``batch_size`` rows.
       weights: mixture weights, one per source (None = ``cfg.mixture_weights``); sources of
         weight 0 are left out of the mix. Only for endless iteration.
+      stream: which of the ``cfg.streams`` streams (0 with one stream). Each stream draws its own
+        shuffles from ``seed`` and its index; with one stream the shuffles are seeded as they
+        always were.
     """
     if split not in sources_lib.SPLITS:
         raise ValueError(f"split={split!r} is not one of {sources_lib.SPLITS}")
@@ -241,19 +262,23 @@ def make_dataset(
                          "concatenates every source")
     if num_epochs is not None and (not isinstance(num_epochs, int) or num_epochs < 1):
         raise ValueError(f"num_epochs={num_epochs!r} must be None (forever) or an integer >= 1")
-    seed = cfg.shuffle_seed if seed is None else seed
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ValueError(f"seed={seed!r} must be an integer >= 0 (or None for cfg.shuffle_seed)")
+        raise ValueError(f"seed={seed!r} must be an integer >= 0")
+    if isinstance(stream, bool) or not isinstance(stream, (int, np.integer)) or not 0 <= stream < cfg.streams:
+        raise ValueError(f"stream={stream!r} must be an integer in 0..data.streams-1 = {cfg.streams - 1}")
+    if cfg.streams > 1:
+        seed = _derive_seed(seed, 5, cfg.streams, stream)
+    rows = cfg.batch_size // cfg.streams
     opened = sources_lib.open_sources(cfg)
-    docs = [_document_dataset(src, cfg, split, seed, i) for i, src in enumerate(opened)]
+    docs = [_document_dataset(src, cfg, split, seed, i, stream) for i, src in enumerate(opened)]
 
     if num_epochs is None:
         weights = list(cfg.mixture_weights if weights is None else weights)
         if len(weights) != len(docs) or not any(w > 0 for w in weights):
             raise ValueError(f"weights={weights!r}: need one weight >= 0 per source, one of them > 0")
-        streams = [_pieces(d.repeat(None), cfg, tokenizer) for d, w in zip(docs, weights) if w > 0]
+        pieces = [_pieces(d.repeat(None), cfg, tokenizer) for d, w in zip(docs, weights) if w > 0]
         weights = [w for w in weights if w > 0]
-        ds = streams[0] if len(streams) == 1 else grain.IterDataset.mix(streams, weights)
+        ds = pieces[0] if len(pieces) == 1 else grain.IterDataset.mix(pieces, weights)
     else:
         merged = docs[0] if len(docs) == 1 else grain.MapDataset.concatenate(docs)
         ds = _pieces(merged.repeat(num_epochs), cfg, tokenizer)
@@ -262,15 +287,15 @@ def make_dataset(
     ds = grain_exp.FirstFitPackIterDataset(
         ds,
         length_struct={"inputs": cfg.seq_len, "targets": cfg.seq_len, "weights": cfg.seq_len},
-        num_packing_bins=max(PACKING_BINS, cfg.batch_size),
+        num_packing_bins=max(PACKING_BINS, rows),
         seed=_derive_seed(seed, 3),
         shuffle_bins=True,
     )
     ds = ds.map(_ToRow(tokenizer.pad_id))
     finite = num_epochs is not None
-    ds = ds.batch(cfg.batch_size, drop_remainder=not finite)
+    ds = ds.batch(rows, drop_remainder=not finite)
     if finite:
-        ds = ds.map(_PadBatch(cfg.batch_size, tokenizer.pad_id))
+        ds = ds.map(_PadBatch(rows, tokenizer.pad_id))
     if cfg.num_workers > 0:
         _allow_unparsed_absl_flags()
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.num_workers))
@@ -374,7 +399,9 @@ class DataIterator(_Resumable):
 
 
 def _fingerprint(cfg: DataConfig, tokenizer: Tokenizer, split: str, seed: int, repeat: bool,
-                 weights: Sequence[float]) -> dict[str, Any]:
+                 weights: Sequence[float], stream: int = 0) -> dict[str, Any]:
+    # (with one stream, the fingerprint of the states saved before streams existed)
+    many = {"streams": cfg.streams, "stream": stream} if cfg.streams > 1 else {}
     return {
         "sources": list(cfg.sources),
         "weights": list(weights),
@@ -389,6 +416,7 @@ def _fingerprint(cfg: DataConfig, tokenizer: Tokenizer, split: str, seed: int, r
         "split": split,
         "seed": seed,
         "repeat": repeat,
+        **many,
     }
 
 
@@ -399,11 +427,13 @@ class StagedIterator(_Resumable):
     seed (stage 0 keeps the run's seed, so a config without stages is unchanged); it opens when
     the s_k-th batch is drawn. ``get_state`` / ``set_state`` record the batch count, the stage and
     the position inside the stage, so a resumed run continues with the very batches it would have
-    drawn. Same interface as ``DataIterator``.
+    drawn. Same interface as ``DataIterator``. ``stream``: which of ``cfg.streams`` it reads.
     """
 
-    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, split: str, seed: int):
+    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, split: str, seed: int,
+                 stream: int = 0):
         self._cfg, self._tokenizer, self._split, self._seed = cfg, tokenizer, split, seed
+        self._stream = stream
         self._stages = cfg.stage_weights
         self._batches = 0
         self._stage = 0
@@ -412,8 +442,10 @@ class StagedIterator(_Resumable):
     def _open(self, k: int) -> DataIterator:
         seed = self._seed if k == 0 else _derive_seed(self._seed, 4, k)
         weights = self._stages[k][1]
-        ds = make_dataset(self._cfg, self._tokenizer, split=self._split, seed=seed, weights=weights)
-        return DataIterator(ds, _fingerprint(self._cfg, self._tokenizer, self._split, seed, True, weights))
+        ds = make_dataset(self._cfg, self._tokenizer, split=self._split, seed=seed, weights=weights,
+                          stream=self._stream)
+        return DataIterator(ds, _fingerprint(self._cfg, self._tokenizer, self._split, seed, True,
+                                             weights, self._stream))
 
     @property
     def stage(self) -> int:
@@ -461,31 +493,130 @@ class StagedIterator(_Resumable):
         self._stage, self._batches = k, int(state["batches"])
 
 
+def _stream_iterator(cfg: DataConfig, tokenizer: Tokenizer, split: str, seed: int, repeat: bool,
+                     stream: int) -> DataIterator | StagedIterator:
+    if repeat and cfg.stages:
+        return StagedIterator(cfg, tokenizer, split, seed, stream)
+    ds = make_dataset(cfg, tokenizer, split=split, seed=seed, num_epochs=None if repeat else 1,
+                      stream=stream)
+    return DataIterator(ds, _fingerprint(cfg, tokenizer, split, seed, repeat, cfg.mixture_weights,
+                                         stream))
+
+
+class StreamsIterator(_Resumable):
+    """The rows that some of the ``cfg.streams`` streams give to every batch (DataConfig.streams),
+    stream after stream: [len(streams) * batch_size / cfg.streams, T] arrays. A process of a
+    multi-process run reads the streams whose rows its devices hold; all of them give the whole
+    batch.
+
+    Finite passes (validation): a stream that has ended gives rows of padding (segment 0, weight
+    0) while others go on; iteration stops when every stream has ended. ``next_padded()`` never
+    stops: it also says whether any of its streams still had data, so that processes can agree
+    on when a pass ends (aiinfra_jax.trainer).
+
+    ``get_state()``: ``{"format", "streams": cfg.streams, "states": {"k": state of stream k}}``
+    with this iterator's streams; ``merge_states`` joins the states of iterators over other
+    streams into one (a checkpoint stores all streams, whatever the number of processes), and
+    ``set_state`` takes the states of its streams from such a state.
+    """
+
+    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, split: str, seed: int, repeat: bool,
+                 streams: Sequence[int]):
+        self._cfg = cfg
+        self.streams = tuple(int(k) for k in streams)
+        self._pad_id = tokenizer.pad_id
+        self._ended: set[int] = set()
+        self._it = {k: _stream_iterator(cfg, tokenizer, split, seed, repeat, k) for k in self.streams}
+
+    def close(self) -> None:
+        if self._it is None:
+            return
+        for it in self._it.values():
+            it.close()
+        self._it = None
+
+    def _padding(self) -> dict[str, np.ndarray]:
+        shape = (self._cfg.batch_size // self._cfg.streams, self._cfg.seq_len)
+        out = {k: np.zeros(shape, np.float32 if k == "loss_weights" else np.int32) for k in BATCH_KEYS}
+        out["inputs"][:] = self._pad_id
+        out["targets"][:] = self._pad_id
+        return out
+
+    def next_padded(self) -> tuple[dict[str, np.ndarray], bool]:
+        """(the next rows, whether any of these streams gave data); rows of padding once all ended."""
+        its = self._iterator()
+        parts = []
+        for k in self.streams:
+            part = None
+            if k not in self._ended:
+                try:
+                    part = next(its[k])
+                except StopIteration:
+                    self._ended.add(k)
+            parts.append(self._padding() if part is None else part)
+        batch = {key: np.concatenate([p[key] for p in parts]) for key in BATCH_KEYS}
+        return batch, len(self._ended) < len(self.streams)
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        batch, any_data = self.next_padded()
+        if not any_data:
+            raise StopIteration
+        return batch
+
+    def get_state(self) -> dict[str, Any]:
+        its = self._iterator()
+        return {"format": STATE_FORMAT, "streams": self._cfg.streams,
+                "states": {str(k): its[k].get_state() for k in self.streams}}
+
+    @staticmethod
+    def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """One state holding the streams of every state in ``states`` (from iterators over the
+        same config and split: the processes of one run)."""
+        first = dict(states[0])
+        first["states"] = {k: v for st in states for k, v in st["states"].items()}
+        return first
+
+    def set_state(self, state: Mapping[str, Any]) -> None:
+        if not isinstance(state, Mapping) or "states" not in state:
+            raise ValueError(
+                f"data iterator state is not from a data.streams={self._cfg.streams} iterator; "
+                "resume with the data config the run was saved with"
+            )
+        if state.get("streams") != self._cfg.streams:
+            raise ValueError(
+                f"data iterator state was saved with data.streams={state.get('streams')}, the "
+                f"config now has {self._cfg.streams}; resume with the same data.streams"
+            )
+        missing = [k for k in self.streams if str(k) not in state["states"]]
+        if missing:
+            raise ValueError(f"data iterator state has no position for streams {missing}; it "
+                             "was saved by a run that did not gather every process's streams")
+        its = self._iterator()
+        for k in self.streams:
+            its[k].set_state(state["states"][str(k)])
+
+
 def make_iterator(
     cfg: DataConfig,
     tokenizer: Tokenizer,
     split: str = "train",
-    seed: int | None = None,
+    seed: int = 0,
     repeat: bool = True,
-) -> DataIterator | StagedIterator:
+    streams: Sequence[int] | None = None,
+) -> DataIterator | StagedIterator | StreamsIterator:
     """A ``DataIterator`` over ``split``: endless when ``repeat``, else one deterministic pass.
 
     With ``cfg.stages`` an endless iterator is a ``StagedIterator`` (the mixture follows the
     stages); a finite pass is the same either way (every document of every source, once).
+    With ``cfg.streams > 1``, or when ``streams`` names some of the streams (this process's; None =
+    all of them), a ``StreamsIterator`` over those streams, each as above.
     """
-    seed = cfg.shuffle_seed if seed is None else seed
-    if repeat and cfg.stages:
-        return StagedIterator(cfg, tokenizer, split, seed)
-    ds = make_dataset(cfg, tokenizer, split=split, seed=seed, num_epochs=None if repeat else 1)
-    return DataIterator(ds, _fingerprint(cfg, tokenizer, split, seed, repeat, cfg.mixture_weights))
-
-
-def batches_of(iterator: DataIterator, n: int) -> Sequence[dict[str, np.ndarray]]:
-    """The next ``n`` batches (fewer if a finite iterator ends first)."""
-    out = []
-    for _ in range(n):
-        try:
-            out.append(next(iterator))
-        except StopIteration:
-            break
-    return out
+    if streams is not None:
+        streams = sorted(int(k) for k in streams)
+        if not streams or len(set(streams)) != len(streams) or not 0 <= streams[0] <= streams[-1] < cfg.streams:
+            raise ValueError(f"streams={streams!r} must name distinct streams in 0..data.streams-1 "
+                             f"= {cfg.streams - 1}")
+    if cfg.streams == 1:
+        return _stream_iterator(cfg, tokenizer, split, seed, repeat, 0)
+    return StreamsIterator(cfg, tokenizer, split, seed, repeat,
+                           range(cfg.streams) if streams is None else streams)

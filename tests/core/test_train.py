@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from aiinfra_jax.config import ConfigError, load_config
-from aiinfra_jax.train import NonFiniteError, choose_run_dir, train
+from aiinfra_jax.rundir import checkpoint_source, choose_run_dir
+from aiinfra_jax.train import NonFiniteError, train
 
 TINY = [
     "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1",
@@ -56,8 +57,11 @@ def test_end_to_end_trains_checkpoints_and_evaluates(tmp_path):
     assert choose_run_dir(cfg) == (tmp_path / "tiny-2", False)
 
 
-def test_stopped_and_resumed_run_matches_uninterrupted(tmp_path):
-    common = ["run.steps=10", "run.log_every=1", "checkpoint.every=0"]
+@pytest.mark.parametrize("streams", [1, 2])
+def test_stopped_and_resumed_run_matches_uninterrupted(tmp_path, streams):
+    """Also with the data read as two streams (data.streams, as multi-process runs read it; the
+    checkpoint keeps every stream's position)."""
+    common = ["run.steps=10", "run.log_every=1", "checkpoint.every=0", f"data.streams={streams}"]
     full = train(tiny(tmp_path / "a", *common), quiet=True)
     part = train(tiny(tmp_path / "b", *common), stop_after=4, quiet=True)
     assert not part["finished"] and part["step"] == 4
@@ -115,8 +119,6 @@ def test_initialize_from_goes_on_from_another_runs_checkpoint(tmp_path, capsys):
 
 
 def test_initialize_from_names_a_source_without_checkpoints(tmp_path):
-    from aiinfra_jax.train import checkpoint_source
-
     run = tmp_path / "run"
     (run / "logs").mkdir(parents=True)
     (run / "config.json").write_text("{}")
@@ -223,4 +225,40 @@ def test_longctx_grid_is_checked_before_training(tmp_path):
     with pytest.raises(ConfigError, match="eval.longctx.*231"):
         train(tiny(tmp_path, "eval.longctx_every=5", "eval.longctx_tasks=passkey",
                    "eval.longctx_lengths=128"), quiet=True)
+    assert not (tmp_path / "tiny").exists()  # nothing was created
+
+
+class _RecordingHook:
+    """An in-loop hook that records when it was checked and called, and logs one number."""
+
+    name = "recording"
+
+    def __init__(self, every, run_dir):
+        self.every, self.run_dir, self.calls, self.checked_before_run_dir = every, run_dir, [], None
+
+    def check(self, trainer):
+        self.checked_before_run_dir = not self.run_dir.exists()
+
+    def __call__(self, step, model, trainer):
+        from flax import nnx
+
+        assert isinstance(model, nnx.Module)
+        self.calls.append(step)
+        return {"recording/step": float(step)}
+
+
+def test_hooks_are_checked_first_and_called_every_n_steps(tmp_path):
+    hook = _RecordingHook(3, tmp_path / "tiny")
+    s = train(tiny(tmp_path, "run.steps=7", "run.log_every=7", "checkpoint.every=0"),
+              hooks=[hook], quiet=True)
+    assert s["finished"] and hook.checked_before_run_dir and hook.calls == [3, 6]
+    lines = [json.loads(x) for x in (tmp_path / "tiny" / "logs" / "metrics.jsonl").read_text()
+             .splitlines()]
+    assert [x["step"] for x in lines if "recording/step" in x] == [3, 6]
+
+
+def test_a_setting_without_its_hook_is_refused(tmp_path):
+    """eval.longctx_every needs the long-context hook: a run given other hooks fails up front."""
+    with pytest.raises(ConfigError, match="eval.longctx_every=5 needs the 'longctx' training hook"):
+        train(tiny(tmp_path, "eval.longctx_every=5"), hooks=[], quiet=True)
     assert not (tmp_path / "tiny").exists()  # nothing was created
