@@ -21,6 +21,11 @@ from aiinfra_jax.checkpoint import (
     check_compatible,
 )
 
+# When tensorstore fails a read, orbax's private event loop is sometimes closed before a pending
+# tensorstore callback runs; Python then reports "Event loop is closed" as unraisable, during
+# whichever test the garbage collector happens to run in. Benign.
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
 CONFIG = {"model": {"d_model": 32, "n_layers": 2, "mixer": "nsa", "block": (16, 64)}, "optim": {"lr": 1e-3}}
 
 
@@ -181,9 +186,6 @@ def test_in_flight_save_never_removes_last_good_checkpoint(tmp_path, mesh, monke
     assert sorted(p.name for p in tmp_path.iterdir()) == ["2"]
 
 
-# When tensorstore fails a read, orbax's private event loop is sometimes closed before a pending
-# tensorstore callback runs; Python then reports "Event loop is closed" as unraisable. Benign.
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_corrupt_checkpoint_names_step_and_fix(tmp_path, mesh):
     state = make_state(mesh, seed=6)
     with Checkpointer(tmp_path, config=CONFIG) as ckpt:
@@ -325,3 +327,170 @@ def test_bad_arguments(tmp_path, mesh):
         with pytest.raises(TypeError, match=r"state leaf 'name'"):
             ckpt.save(1, {"name": "abc", "x": jnp.ones(3)}, None)
         assert ckpt.all_steps() == []
+
+
+# --------------------------------------------------------------------------------------------------
+# Checksums: damaged files are refused, never restored as changed values
+# --------------------------------------------------------------------------------------------------
+
+
+def make_bits_state(mesh, seed: int = 0) -> dict:
+    """make_state plus an array of random bits: OCDBT's zstd stores incompressible data verbatim, so
+    its shards' bytes can be found (and damaged) in the data files."""
+    state = make_state(mesh, seed)
+    bits = jax.random.bits(jax.random.key(100 + seed), (64, 32), jnp.uint32)
+    state["params"]["bits"] = jax.device_put(bits, NamedSharding(mesh, P("data", "model")))
+    return state
+
+
+def data_files(step_dir):
+    return sorted(p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d")
+
+
+def flip_byte_of(step_dir, array, shard: int = 0) -> None:
+    """Flips one bit in the middle of ``array``'s shard ``shard`` where the data files hold it."""
+    needle = np.asarray(array.addressable_shards[shard].data).tobytes()
+    for path in data_files(step_dir):
+        raw = bytearray(path.read_bytes())
+        at = raw.find(needle)
+        if at >= 0:
+            raw[at + len(needle) // 2] ^= 0x10
+            path.write_bytes(bytes(raw))
+            return
+    raise AssertionError(f"the bytes of that shard are not stored verbatim under {step_dir}")
+
+
+def test_flipped_byte_in_array_data_is_refused_naming_step_array_and_good_steps(tmp_path, mesh, caplog):
+    state = make_bits_state(mesh, seed=10)
+    with Checkpointer(tmp_path, config=CONFIG, keep=3) as ckpt:
+        ckpt.save(1, state, {"i": 1})
+        ckpt.save(2, state, {"i": 2})
+    flip_byte_of(tmp_path / "2", state["params"]["bits"], shard=3)
+
+    ckpt = Checkpointer(tmp_path, config=CONFIG)
+    with pytest.raises(CorruptCheckpointError) as err:
+        ckpt.restore(abstract_of(state))
+    msg = str(err.value)
+    assert f"step 2 at {tmp_path / '2'} is damaged" in msg
+    assert "array 'params/bits' does not match its checksum in 1 of its 8 shards, e.g. [16:32, 16:32]" in msg
+    assert "step 1 verifies" in msg and "restore another step (1)" in msg
+    assert f"Fix: move {tmp_path / '2'} out of {tmp_path} (a resume then starts from step 1" in msg
+    # The older step is still there, verifies, and restores exactly.
+    assert ckpt.all_steps() == [1, 2] and ckpt.verify(1) and ckpt.verified_step == 1
+    restored, data_state, _ = ckpt.restore(abstract_of(state), step=1)
+    assert_trees_equal(restored, state) and data_state == {"i": 1}
+    # A partial restore checks the arrays it reads: params (with bits) is refused, step is fine.
+    abstract = abstract_of(state)
+    with pytest.raises(CorruptCheckpointError, match=r"step 2 .*'params/bits' does not match"):
+        ckpt.restore_subtree({"params": abstract["params"]}, step=2)
+    only_step, _ = ckpt.restore_subtree({"step": abstract["step"]}, step=2)
+    assert int(only_step["step"]) == int(state["step"])
+    with pytest.raises(CorruptCheckpointError, match=r"step 2 .*'params/bits'"):
+        ckpt.verify(2)
+    ckpt.close()
+    assert not any("could not be checked" in r.getMessage() for r in caplog.records)
+
+
+def test_random_byte_flips_never_restore_changed_values(tmp_path, mesh):
+    """Trials restored 12 of 12 single-byte flips silently: now each is refused, or (a flip in bytes
+    that no read depends on) restores exactly what was saved."""
+    state = make_bits_state(mesh, seed=11)
+    with Checkpointer(tmp_path / "orig", config=CONFIG, async_save=False) as ckpt:
+        ckpt.save(1, state, None)
+    rng = np.random.default_rng(0)
+    refused = 0
+    for trial in range(8):
+        folder = tmp_path / f"trial{trial}"
+        shutil.copytree(tmp_path / "orig", folder)
+        files = data_files(folder / "1")
+        path = files[rng.integers(len(files))]
+        raw = bytearray(path.read_bytes())
+        raw[rng.integers(len(raw))] ^= 1 << int(rng.integers(8))
+        path.write_bytes(bytes(raw))
+        with Checkpointer(folder, config=CONFIG) as ckpt:
+            try:
+                restored, _, _ = ckpt.restore(abstract_of(state))
+            except CorruptCheckpointError:
+                refused += 1
+                continue
+        assert_trees_equal(restored, state)
+    assert refused >= 1
+
+
+def test_changed_json_items_are_refused(tmp_path, mesh):
+    state = make_state(mesh, seed=12)
+    with Checkpointer(tmp_path, config=CONFIG, async_save=False) as ckpt:
+        ckpt.save(1, state, {"position": 1234})
+    data_file = tmp_path / "1" / "data" / "metadata"
+    data_file.write_text(data_file.read_text().replace("1234", "1235"))
+    with Checkpointer(tmp_path, config=CONFIG) as ckpt:
+        with pytest.raises(CorruptCheckpointError, match=r"step 1 .*damaged .*'data' item .*does not match"):
+            ckpt.restore(abstract_of(state))
+    config_file = tmp_path / "1" / "config" / "metadata"
+    config_file.write_text(config_file.read_text().replace("0.001", "0.002"))
+    with Checkpointer(tmp_path, config=CONFIG) as ckpt:
+        with pytest.raises(CorruptCheckpointError, match=r"step 1 .*'config' item does not match"):
+            ckpt.saved_config(1)
+
+
+def test_checkpoint_without_checksums_restores_with_a_warning(tmp_path, mesh, caplog):
+    """A step folder written before checksums were stored (the three items an older version wrote)
+    is restored, with a logged warning; a new one whose checksums item is missing is refused."""
+    state = make_state(mesh, seed=13)
+    handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
+                "config": ocp.JsonCheckpointHandler()}
+    with ocp.CheckpointManager(tmp_path / "old", item_handlers=handlers) as manager:
+        manager.save(5, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave({"data_state": {"i": 5}}),
+            config=ocp.args.JsonSave(CONFIG)))
+    with caplog.at_level(logging.WARNING, logger="aiinfra_jax.checkpoint"):
+        with Checkpointer(tmp_path / "old", config=CONFIG) as ckpt:
+            restored, data_state, _ = ckpt.restore(abstract_of(state))
+            assert not ckpt.verify(5) and ckpt.verified_step is None
+            # The run goes on: new saves carry checksums.
+            ckpt.save(6, state, {"i": 6})
+            restored6, _, _ = ckpt.restore(abstract_of(state), step=6)
+            assert ckpt.verified_step == 6
+    assert_trees_equal(restored, state) and data_state == {"i": 5}
+    assert_trees_equal(restored6, state)
+    assert any("step 5" in r.getMessage() and "before checkpoints stored checksums" in r.getMessage()
+               for r in caplog.records)
+
+    shutil.rmtree(tmp_path / "old" / "6" / "checksums")
+    with Checkpointer(tmp_path / "old", config=CONFIG) as ckpt:
+        with pytest.raises(CorruptCheckpointError, match=r"step 6 .*'checksums' item is missing"):
+            ckpt.restore(abstract_of(state))
+
+
+def test_rotation_never_deletes_the_newest_verified_checkpoint(tmp_path, mesh, caplog):
+    """keep=2: step 2 is damaged on disk after it was written; later saves must not rotate away
+    step 1, the newest that verifies, until a newer step verifies."""
+    state = make_bits_state(mesh, seed=14)
+    ckpt = Checkpointer(tmp_path, config=CONFIG, keep=2)
+    ckpt.save(1, state, {"i": 1})
+    ckpt.save(2, state, {"i": 2})
+    ckpt.wait()
+    flip_byte_of(tmp_path / "2", state["params"]["bits"])
+    with caplog.at_level(logging.ERROR, logger="aiinfra_jax.checkpoint"):
+        ckpt.save(3, state, {"i": 3})  # would delete 1: 2 is read back first, fails, 1 verifies
+        ckpt.wait()
+    assert ckpt.all_steps() == [1, 2, 3] and ckpt.verified_step == 1
+    assert any("step 2" in r.getMessage() and "fails verification" in r.getMessage()
+               for r in caplog.records)
+    ckpt.save(4, state, {"i": 4})  # 3 verifies: 1 (and the damaged 2) can go
+    ckpt.wait()
+    assert ckpt.all_steps() == [3, 4] and ckpt.verified_step == 3
+    ckpt.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["3", "4"]
+
+    # keep=1: while a run trains, the newest verified step stays beside the newest one; close()
+    # reads the newest back and then leaves exactly one.
+    other = tmp_path.parent / (tmp_path.name + "-keep1")
+    ckpt = Checkpointer(other, config=CONFIG, keep=1)
+    for step in (1, 2, 3):
+        ckpt.save(step, state, {"i": step})
+    ckpt.wait()
+    assert ckpt.all_steps() == [2, 3] and ckpt.verified_step == 2
+    flip_byte_of(other / "3", state["params"]["bits"])
+    ckpt.close()  # 3 fails: 2 is kept
+    assert sorted(p.name for p in other.iterdir()) == ["2", "3"]

@@ -135,3 +135,24 @@ def test_config_json_of_older_runs_still_loads(caplog):
     assert config_differences(old, current, ("data",)) == []
     assert config_differences(old, current, ("model",), skip=()) == [
         "  model.dense.kernel: checkpoint 'flash_attention', current 'dot_product_attention'"]
+
+
+@pytest.mark.parametrize("override", ["optim.lr=inf", "optim.lr=nan", "optim.lr=-inf",
+                                      "optim.b2=nan", "optim.eps=inf", "optim.weight_decay=nan",
+                                      "optim.grad_clip=inf", "optim.min_lr_ratio=nan"])
+def test_non_finite_optim_floats_are_refused(override):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"{key}=.*must be a finite number; set {key} to a finite"):
+        apply_overrides(Config(), [override])
+
+
+def test_seq_len_must_hold_a_target_and_fit_max_seq_len():
+    with pytest.raises(ConfigError, match=r"data.seq_len=1: must be >= 2.*set data.seq_len=2 or more"):
+        apply_overrides(Config(), ["data.seq_len=1"])
+    with pytest.raises(ConfigError, match=r"data.seq_len=512: exceeds model.max_seq_len=256.*"
+                       r"set model.max_seq_len=512 or more.*or lower data.seq_len to 256"):
+        apply_overrides(Config(), ["model.max_seq_len=256", "data.seq_len=512"])
+    # Raising max_seq_len (a run-time setting) together with seq_len is fine, as is seq_len == max.
+    cfg = apply_overrides(Config(), ["model.max_seq_len=8192", "data.seq_len=8192"])
+    assert cfg.data.seq_len == cfg.model.max_seq_len == 8192
+    assert apply_overrides(Config(), ["data.seq_len=2"]).data.seq_len == 2

@@ -9,11 +9,13 @@ from flax import nnx
 
 from aiinfra_jax.checkpoint import Checkpointer, NoCheckpointError
 from aiinfra_jax.config import Config, ConfigError, MeshConfig, to_dict
+from aiinfra_jax.data.config import DataConfig
 from aiinfra_jax.load import load_model
 from aiinfra_jax.models import ModelConfig, NSAConfig, Transformer
 from aiinfra_jax.steps import init_variables
 
 CFG = Config(
+    data=DataConfig(seq_len=128),
     model=ModelConfig(vocab_size=384, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64,
                       mixers=("nsa",), max_seq_len=128,
                       nsa=NSAConfig(cmp_block_len=8, cmp_stride=4, sel_block_size=16,

@@ -19,6 +19,7 @@ from aiinfra_jax.config import ConfigError, Config, OptimConfig, apply_overrides
     runtime_keys, to_dict
 from aiinfra_jax.models import (ModelConfig, Transformer, register_config, register_ffn,
                                 registry, report_loss, report_metric, runtime_field)
+from aiinfra_jax.data.config import DataConfig
 from aiinfra_jax.models.layers import make_param
 
 E = 4  # experts of the toy router
@@ -90,7 +91,7 @@ def _batch(seed=0, b=2, t=12):
 def test_component_config_is_owned_registered_and_round_trips():
     cfg = _cfg()
     assert cfg.test_router == RouterTestConfig()
-    run = apply_overrides(Config(model=cfg), ["model.test_router.loss_weight=0.5"])
+    run = apply_overrides(Config(model=cfg, data=DataConfig(seq_len=32)), ["model.test_router.loss_weight=0.5"])
     assert run.model.test_router.loss_weight == 0.5
     assert to_dict(run)["model"]["test_router"]["loss_weight"] == 0.5
     assert from_dict(to_dict(run)) == run
@@ -169,3 +170,32 @@ def test_train_step_adds_the_weighted_loss_and_carries_model_state():
     assert not np.allclose(bias_after, bias_before)
     # Updated outside the gradient: the optimizer never saw it.
     assert "bias" not in after["params"]["blocks"]["layers"][1]["ffn"]
+
+
+def test_model_state_is_checkpointed_and_a_resumed_run_matches(tmp_path):
+    """The routing bias (non-parameter state) goes through the real loop: saved in the checkpoint,
+    restored on resume, and the resumed run's losses, aux metrics and bias equal the uninterrupted
+    run's."""
+    from aiinfra_jax.config import load_config
+    from aiinfra_jax.load import load_model
+    from aiinfra_jax.train import train
+
+    def cfg(name):
+        return load_config("configs/tiny.py", [
+            "model.d_model=16", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1",
+            "model.ffns=swiglu,test_router", "data.seq_len=32", "data.batch_size=4",
+            "run.steps=4", "run.log_every=1", "eval.every=0", "eval.final_batches=1",
+            "checkpoint.every=0", "checkpoint.async_save=false", "run.progress=false",
+            "mesh.num_devices=1", f"run.output_dir={tmp_path}", f"run.name={name}"])
+
+    whole = train(cfg("whole"), quiet=True)
+    train(cfg("parts"), stop_after=2, quiet=True)
+    parts = train(cfg("parts"), quiet=True)
+    assert parts["start_step"] == 2
+    for a, b in zip(whole["history"][2:], parts["history"]):
+        assert a["loss"] == b["loss"] and a["aux/ffn/max_load"] == b["aux/ffn/max_load"]
+        assert a["aux_loss/ffn/balance"] > 0
+    biases = [load_model(s["run_dir"]).model.blocks.layers[1].ffn.bias[...]
+              for s in (whole, parts)]
+    np.testing.assert_array_equal(*biases)
+    assert not np.allclose(biases[0], 0.0)  # it moved during training
