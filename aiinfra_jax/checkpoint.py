@@ -702,15 +702,7 @@ class Checkpointer:
         for rotation); False: it was written before checksums were stored (nothing to check; a
         warning is logged). Raises ``CorruptCheckpointError`` naming what is damaged and the other
         checkpoints that still verify."""
-        self.wait()
-        steps = self.all_steps()
-        if step is None:
-            if not steps:
-                raise self._no_checkpoint()
-            step = steps[-1]
-        elif step not in steps:
-            raise ValueError(f"no committed checkpoint for step {step} in {self.directory}; "
-                             f"available steps: {steps or 'none'}")
+        step = self._committed_step(step)
         status, detail = self._verify_on_host(step)
         if status == "good":
             self._mark_verified(step)
@@ -848,6 +840,20 @@ class Checkpointer:
                     self.directory)
         return subtree, saved_config
 
+    def _committed_step(self, step: int | None) -> int:
+        """``step``, or the latest when None, after pending saves are committed; NoCheckpointError
+        when there is none, ValueError naming the available steps for one that was not saved."""
+        self.wait()
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise self._no_checkpoint()
+            return steps[-1]
+        if step not in steps:
+            raise ValueError(f"no committed checkpoint for step {step} in {self.directory}; "
+                             f"available steps: {steps or 'none'}")
+        return step
+
     def saved_config(self, step: int | None = None) -> tuple[int, dict]:
         """(step, the config saved with it) of ``step`` (default: the latest), nothing compared."""
         step, config, _ = self._checked_step(step, ())
@@ -857,17 +863,7 @@ class Checkpointer:
                       ) -> tuple[int, dict, dict | None]:
         """(the step to restore, its saved config, its checksums or None), after the config check
         (the config is checked against its checksum first)."""
-        self.wait()
-        steps = self.all_steps()
-        if step is None:
-            if not steps:
-                raise self._no_checkpoint()
-            step = steps[-1]
-        elif step not in steps:
-            raise ValueError(
-                f"no committed checkpoint for step {step} in {self.directory}; available steps: "
-                f"{steps or 'none'}"
-            )
+        step = self._committed_step(step)
         # The config first (small, and it decides whether the rest is worth reading).
         try:
             saved_config = self._manager.restore(
