@@ -95,6 +95,7 @@ import orbax.checkpoint as ocp
 
 from aiinfra_jax import checksums as cks
 from aiinfra_jax.config import canonical_section, runtime_keys
+from aiinfra_jax.errors import UserError
 
 __all__ = [
     "Checkpointer",
@@ -122,15 +123,15 @@ _PARTIAL_RE = re.compile(r"^(?:.*_)?(\d+)" + re.escape(_TMP_MARKER))
 _STEP_RE = re.compile(r"^(0|[1-9]\d*)$")
 
 
-class CorruptCheckpointError(RuntimeError):
+class CorruptCheckpointError(UserError, RuntimeError):
     """A committed checkpoint cannot be read (missing or damaged files)."""
 
 
-class IncompatibleCheckpointError(ValueError):
+class IncompatibleCheckpointError(UserError, ValueError):
     """A readable checkpoint does not fit the current run (config or state structure differs)."""
 
 
-class NoCheckpointError(FileNotFoundError, ValueError):
+class NoCheckpointError(UserError, FileNotFoundError, ValueError):
     """A checkpoint directory is missing (opened read-only) or holds no committed checkpoint; a
     FileNotFoundError for the CLIs' handlers and a ValueError as ``restore`` always raised."""
 

@@ -30,13 +30,14 @@ from typing import Any
 import yaml
 
 from aiinfra_jax.data.config import DataConfig
+from aiinfra_jax.errors import UserError
 from aiinfra_jax.models.config import Components, ModelConfig, is_runtime
 from aiinfra_jax.models.registry import component_configs
 
 log = logging.getLogger(__name__)
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration that cannot run; the message names the key and the fix."""
 
 
@@ -517,7 +518,11 @@ def load_preset(path: str | Path) -> Config:
     if path.suffix == ".py":
         spec = importlib.util.spec_from_file_location(f"aiinfra_preset_{path.stem}", path)
         module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except SyntaxError as e:
+            raise ConfigError(f"config preset {str(path)!r}, line {e.lineno}: Python syntax error "
+                              f"({e.msg}); fix the file") from e
         if hasattr(module, "config"):
             cfg = module.config()
         elif hasattr(module, "CONFIG"):
@@ -529,7 +534,16 @@ def load_preset(path: str | Path) -> Config:
                               f"{type(cfg).__name__}")
         return cfg
     if path.suffix in (".yaml", ".yml", ".json"):
-        data = yaml.safe_load(path.read_text()) or {}
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:  # JSON is YAML: a broken .json lands here too
+            mark = getattr(e, "problem_mark", None)
+            where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ConfigError(f"config preset {str(path)!r}{where}: not valid YAML/JSON "
+                              f"({getattr(e, 'problem', None) or e}); fix the file") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"config preset {str(path)!r}: expected a mapping of sections "
+                              f"(model:, data:, ...), got a {type(data).__name__}")
         return _build(Config, data, prefix="", base=Config())
     raise ConfigError(f"config preset {str(path)!r}: expected a .py, .yaml, .yml or .json file")
 

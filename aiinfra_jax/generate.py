@@ -153,7 +153,10 @@ def decode_step(model: nnx.Module, cache: Any, tokens: jax.Array,
                 positions: jax.Array) -> tuple[jax.Array, Any]:
     """Feeds one token per row (tokens [B] at positions [B], normally the rows' cache lengths).
     Returns (logits [B,V] float32, updated cache). The cache passed in is donated (updated in
-    place, O(1) per step instead of a copy of every slot): use only the returned one afterwards."""
+    place, O(1) per step instead of a copy of every slot): use only the returned one afterwards.
+    A row whose cache is full (its length = the max_len it was made with) is refused: nothing is
+    written and its logits are NaN (checked on the device, so the loop never waits for it);
+    `generate` sizes the cache so that this cannot happen."""
     graphdef, state = nnx.split(model)
     return _decode_step(graphdef, state, cache, jnp.asarray(tokens, jnp.int32),
                         jnp.asarray(positions, jnp.int32))

@@ -7,16 +7,25 @@
   reads it).
 - ``restore_run``: a (trainer, state) pair from a run directory's checkpoint, for evaluations that
   need the trainer (a model alone: ``aiinfra_jax.load.load_model``).
+- ``RunLock``: the exclusive lock a training run holds on its directory (``RUN_DIR/run.lock``).
 """
 
 from __future__ import annotations
 
+import datetime
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
 from pathlib import Path
 
 import jax
 
 from aiinfra_jax.checkpoint import Checkpointer, NoCheckpointError, config_differences
 from aiinfra_jax.config import Config, ConfigError, load_run_config, to_dict
+from aiinfra_jax.errors import RunLockedError
 from aiinfra_jax.load import checkpoint_source
 from aiinfra_jax.trainer import Trainer
 
@@ -103,3 +112,106 @@ def restore_run(run_dir: str | Path, *, step: int | None = None, overrides=()):
         wanted = {k: v for k, v in abstract.items() if k in ("params", "step", "model_state")}
         state, _ = ckpt.restore_subtree(wanted, step=step)
     return trainer, state
+
+
+class RunLock:
+    """An exclusive lock on a run directory, held by the training run that writes in it.
+
+    ``RUN_DIR/run.lock`` is locked with ``flock`` (released by the kernel when the process ends,
+    however it ends, so a crash or ``kill -9`` leaves no stale lock) and holds the holder's pid,
+    host, start time and command, which the refusal of a second run names. The file stays (an
+    unlocked, empty run.lock is free): deleting it would let two runs lock two different files.
+    On a file system without flock (ENOLCK / EOPNOTSUPP, some network mounts) the file's content
+    is the lock: a holder on this host whose pid is gone is stale and taken over (said in the
+    log); a holder on another host cannot be checked from here and is refused, naming the file
+    to delete once that run is known to be dead.
+    """
+
+    NAME = "run.lock"
+
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / self.NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> str | None:
+        """Takes the lock (creating the directory); returns a note about a stale lock taken over,
+        or None. Raises RunLockedError naming the live holder."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            flocked = True
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise RunLockedError(self._refusal(holder)) from None
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                os.close(fd)
+                raise
+            flocked = False
+        previous = _read_holder(fd)
+        note = None
+        if previous:
+            same_host = previous.get("host") == socket.gethostname()
+            if not flocked and not (same_host and not _pid_alive(previous.get("pid"))):
+                os.close(fd)
+                raise RunLockedError(self._refusal(previous) + (
+                    "" if same_host else f". This file system has no flock; if that run is "
+                    f"dead, delete {self.path}"))
+            note = (f"took over the lock of a run that ended without releasing it (pid "
+                    f"{previous.get('pid')} on {previous.get('host')}, started "
+                    f"{previous.get('started')}): it crashed or was killed")
+        holder = {"pid": os.getpid(), "host": socket.gethostname(),
+                  "started": datetime.datetime.now().isoformat(timespec="seconds"),
+                  "command": " ".join(sys.argv)[:500]}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+        os.fsync(fd)
+        self._fd = fd
+        return note
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.ftruncate(self._fd, 0)  # empty = free (a crash leaves the content: see acquire)
+        except OSError:
+            pass
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def _refusal(self, holder: dict) -> str:
+        who = (f"pid {holder.get('pid')} on host {holder.get('host')}, started "
+               f"{holder.get('started')}: {holder.get('command')!r}" if holder
+               else "a process that has not written its name yet")
+        return (f"run directory {self.path.parent} is in use by another run ({who}). Wait for it "
+                "to end or stop it, or give this run another run.run_dir / run.name; two runs in "
+                "one directory would delete each other's checkpoints")
+
+
+def _read_holder(fd: int) -> dict:
+    try:
+        text = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
+        return json.loads(text) if text else {}
+    except (OSError, ValueError):
+        return {"pid": None, "host": None, "started": None, "command": "(unreadable run.lock)"}
+
+
+def _pid_alive(pid) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -44,6 +44,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from aiinfra_jax.config import ConfigError, MeshConfig
+from aiinfra_jax.errors import UserError
 from aiinfra_jax.models.partitioning import logical_spec
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ RULES: dict[str, tuple[str, ...]] = {
 }
 
 
-class DistributedError(RuntimeError):
+class DistributedError(UserError, RuntimeError):
     """The processes of a multi-process run could not meet: one never came, or failed, or they
     disagree. The message names the processes and what to do."""
 

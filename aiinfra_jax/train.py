@@ -26,6 +26,7 @@ fails ends itself at once (the CLI), so that JAX's distributed service stops the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -49,18 +50,22 @@ from aiinfra_jax import sharding as shd
 from aiinfra_jax.checkpoint import Checkpointer, config_differences
 from aiinfra_jax.config import Config, ConfigError, load_config, save_config, to_dict
 from aiinfra_jax.data import StreamsIterator, make_iterator
+from aiinfra_jax.errors import (EXIT_INTERRUPTED, EXIT_STOPPED, EXIT_USAGE, DiskError,
+                                UserError, add_debug_flag, describe, disk_error, disk_message,
+                                quiet_library_tracebacks)
 from aiinfra_jax.hooks import TrainHook, prepare_hooks
 from aiinfra_jax.metrics import MetricsWriter, ProgressBar, mfu, peak_flops_per_device
 # Re-exported: evaluations and tools restore runs and build models through this module.
-from aiinfra_jax.rundir import choose_run_dir, initialize_from
+from aiinfra_jax.rundir import RunLock, choose_run_dir, initialize_from
 from aiinfra_jax.steps import lr_schedule
 from aiinfra_jax.trainer import Trainer
 
 __all__ = ["NonFiniteError", "main", "train"]
 
 
-class NonFiniteError(RuntimeError):
-    pass
+class NonFiniteError(UserError, RuntimeError):
+    """The loss or the gradients stopped being finite; the message names the step and the last
+    good checkpoint."""
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -81,10 +86,22 @@ def train(cfg: Config, *, hooks: Iterable[TrainHook] | None = None, stop_after: 
     stored = dataclasses.replace(cfg, mesh=cfg.mesh.without_launch())  # what the run dir keeps
     procs.check_same_config(to_dict(stored))
     run_dir, resume = procs.run_dir(cfg)
+    # Opening the data reads every source, so bad data is refused before anything is created.
+    train_it = make_iterator(cfg.data, trainer.tokenizer, split="train", seed=cfg.run.seed,
+                             streams=trainer.data_streams)
     say = (lambda *a: None) if quiet or not procs.lead else (lambda *a: print(*a, flush=True))
-    if procs.lead:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(stored, run_dir / "config.json")
+    with RunLock(run_dir) if procs.lead else contextlib.nullcontext() as lock:
+        note = lock.acquire() if procs.lead else None
+        if note:
+            say(note)
+        return _train_in(trainer, hooks, procs, stored, run_dir, resume, train_it, say,
+                         stop_after, quiet)
+
+
+def _train_in(trainer: Trainer, hooks, procs: _Processes, stored: Config, run_dir: Path,
+              resume: bool, train_it, say, stop_after: int | None, quiet: bool) -> dict[str, Any]:
+    """train's loop, in a run directory this run holds the lock of."""
+    cfg = trainer.cfg
     if procs.count > 1:
         say(f"{procs.count} processes, {jax.device_count()} devices; if one dies, the others are "
             "stopped (by JAX's distributed service); then start them all again with the same "
@@ -92,9 +109,9 @@ def train(cfg: Config, *, hooks: Iterable[TrainHook] | None = None, stop_after: 
 
     ckpt = Checkpointer(run_dir / "checkpoints", config=to_dict(stored), keep=cfg.checkpoint.keep,
                         async_save=cfg.checkpoint.async_save)
-    train_it = make_iterator(cfg.data, trainer.tokenizer, split="train", seed=cfg.run.seed,
-                             streams=trainer.data_streams)
-    state, data_state, resumed = _starting_state(trainer, ckpt, run_dir, resume, say)
+    state, data_state, resumed = _starting_state(trainer, ckpt, run_dir, resume, stored, say)
+    if procs.lead:  # only now: a resume that the checkpoint refuses leaves config.json alone
+        save_config(stored, run_dir / "config.json")
     if data_state is not None:
         train_it.set_state(data_state)
     if cfg.data.stages:
@@ -103,9 +120,9 @@ def train(cfg: Config, *, hooks: Iterable[TrainHook] | None = None, stop_after: 
     speed = _Speed.of(trainer, state, say)
 
     step = start_step = int(jax.device_get(state["step"]))
-    # On resume, metric lines logged after the checkpoint (by the interrupted run) are dropped.
-    writer = (MetricsWriter(run_dir / "logs", resume_step=step if resumed else None)
-              if procs.lead else _NoWriter())
+    # Metric lines (and TensorBoard events) after the starting step were logged by an interrupted
+    # attempt and are about to be logged again: dropped (all of them when it starts from scratch).
+    writer = MetricsWriter(run_dir / "logs", resume_step=step) if procs.lead else _NoWriter()
     can_eval = cfg.data.val_fraction > 0
     if not can_eval:
         say("data.val_fraction=0: no validation split, so evaluation is skipped")
@@ -152,6 +169,9 @@ def train(cfg: Config, *, hooks: Iterable[TrainHook] | None = None, stop_after: 
         ckpt.wait()
     except BaseException as e:
         failed = True
+        disk = disk_error(e)
+        if disk is not None:  # a full disk: say where the run can go on from
+            raise DiskError(f"{disk_message(disk)}; {_last_good(ckpt, run_dir, wait=False)}") from e
         if procs.count > 1 and _lost_a_process(e):
             last = ckpt.latest_step()
             raise shd.DistributedError(
@@ -184,18 +204,23 @@ def train(cfg: Config, *, hooks: Iterable[TrainHook] | None = None, stop_after: 
 # ----------------------------------------------------------------------------- the loop's helpers
 
 
-def _starting_state(trainer: Trainer, ckpt: Checkpointer, run_dir: Path, resume: bool, say
-                    ) -> tuple[dict, dict | None, bool]:
+def _starting_state(trainer: Trainer, ckpt: Checkpointer, run_dir: Path, resume: bool,
+                    stored: Config, say) -> tuple[dict, dict | None, bool]:
     """(state, data-iterator state or None, resumed): the run's own newest checkpoint, else the
-    checkpoint named by checkpoint.initialize_from, else a fresh state."""
+    checkpoint named by checkpoint.initialize_from, else a fresh state. A resume names the
+    settings that differ from the checkpoint's (those the checkpoint allows to change)."""
     cfg = trainer.cfg
     if ckpt.latest_step() is not None:
         if not resume:
             raise RuntimeError(f"{run_dir} already holds checkpoints but was chosen for a new run")
-        state, data_state, _ = ckpt.restore(trainer.abstract_state())
+        state, data_state, saved = ckpt.restore(trainer.abstract_state())
+        current = to_dict(stored)
+        changed = config_differences(saved, current, sorted(set(saved) | set(current)))
         say(f"resumed {run_dir} from step {int(state['step'])}"
             + (" (its own checkpoint; checkpoint.initialize_from is not read again)"
-               if cfg.checkpoint.initialize_from else ""))
+               if cfg.checkpoint.initialize_from else "")
+            + ("; settings changed since that checkpoint:\n" + "\n".join(changed)
+               if changed else ""))
         return state, data_state, True
     state, data_state = (initialize_from(trainer, say) if cfg.checkpoint.initialize_from
                          else (trainer.init_state(), None))
@@ -387,8 +412,20 @@ def _raise_if_not_finite(state, ckpt: Checkpointer, run_dir: Path) -> None:
     if bad:
         raise NonFiniteError(
             f"step {bad}: the loss or the gradients are not finite (NaN/Inf). Training stopped; "
-            f"the last good checkpoint (step {ckpt.latest_step()}) is kept in "
-            f"{run_dir / 'checkpoints'}. Try a lower optim.lr or a stricter optim.grad_clip.")
+            + _last_good(ckpt, run_dir)
+            + ". Try a lower optim.lr or a stricter optim.grad_clip.")
+
+
+def _last_good(ckpt: Checkpointer, run_dir: Path, wait: bool = True) -> str:
+    """Where the run can go on from: its newest committed checkpoint (every save comes from a
+    finite state: the check above runs before each one)."""
+    if wait:
+        ckpt.wait()  # an asynchronous save still being written counts once it is committed
+    step = ckpt.latest_step()
+    if step is None:
+        return ("no checkpoint was saved before it (the run started from scratch), so the same "
+                "command starts again from step 0")
+    return f"the last good checkpoint, step {step}, is kept in {run_dir / 'checkpoints'}"
 
 
 def _log(step: int, interval: _Interval, speed: _Speed, writer: MetricsWriter,
@@ -535,34 +572,49 @@ class _Stop:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The training CLI. Exit status (aiinfra_jax.errors): 0 finished, 75 stopped by SIGTERM /
+    Ctrl-C after saving (run the same command to resume), 1 a failure the one-line message
+    explains, 2 a config that cannot be used, 130 interrupted without saving."""
     parser = argparse.ArgumentParser(description="Train an aiinfra-jax model.")
     parser.add_argument("--config", default=None, help="preset: configs/<name>.py or .yaml")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="override a field, e.g. --set model.d_model=256")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config and exit")
+    add_debug_flag(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if not args.debug:
+        quiet_library_tracebacks()
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
+        if args.debug:
+            traceback.print_exc()
         print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     if args.print_config:
         print(json.dumps(to_dict(cfg), indent=2))
         return 0
     try:
-        train(cfg)  # with the registered in-loop hooks the config asks for (aiinfra_jax.hooks)
-    except (ConfigError, NonFiniteError, shd.DistributedError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        _end_now_if_multiprocess(1, explain=not isinstance(e, shd.DistributedError))
-        return 1
-    except BaseException:
-        if _multiprocess():
+        summary = train(cfg)  # with the registered in-loop hooks the config asks for
+    except KeyboardInterrupt:  # a second Ctrl-C: no checkpoint
+        print("interrupted", file=sys.stderr)
+        _end_now_if_multiprocess(EXIT_INTERRUPTED)
+        return EXIT_INTERRUPTED
+    except BaseException as e:
+        report = describe(e)
+        if report is None:  # a bug: its traceback
+            if _multiprocess():
+                traceback.print_exc()
+                _end_now_if_multiprocess(1)
+            raise
+        if args.debug:
             traceback.print_exc()
-            _end_now_if_multiprocess(1)
-        raise
-    return 0
+        print(f"error: {report[0]}", file=sys.stderr)
+        _end_now_if_multiprocess(report[1], explain=not isinstance(e, shd.DistributedError))
+        return report[1]
+    return 0 if summary["finished"] else EXIT_STOPPED
 
 
 def _multiprocess() -> bool:

@@ -44,7 +44,8 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from aiinfra_jax.config import ConfigError, load_run_config
+from aiinfra_jax.config import load_run_config
+from aiinfra_jax.errors import add_debug_flag, report_error
 from aiinfra_jax.data import load_tokenizer
 from aiinfra_jax.eval.answerers import Answerer, ModelAnswerer
 from aiinfra_jax.load import load_model
@@ -447,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
                          "settings (e.g. model.nsa.implementation=xla)")
     ap.add_argument("--branches-off", default="", metavar="cmp,slc,win",
                     help="NSA only: evaluate with these branches' gates fixed at 0")
+    add_debug_flag(ap)
     args = ap.parse_args(argv)
 
     try:
@@ -481,9 +483,11 @@ def main(argv: list[str] | None = None) -> int:
                 "tokenizer": run_cfg.data.tokenizer, "command": " ".join(sys.argv)}
         result = run_longctx(answerer, loaded.tokenizer, cfg, out_dir=out,
                              progress=not args.no_progress, meta=meta, examples=examples)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except BaseException as e:  # noqa: BLE001 -- a bug is re-raised with its traceback
+        status = report_error(e, debug=args.debug, expected=(FileNotFoundError, ValueError))
+        if status is None:
+            raise
+        return status
     print(markdown_table(result))
     print(f"outputs in {out}")
     return 0

@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from aiinfra_jax.config import ConfigError, load_run_config
+from aiinfra_jax.config import load_run_config
+from aiinfra_jax.errors import add_debug_flag, report_error
 from aiinfra_jax.load import load_model
 from aiinfra_jax.eval.longctx import LongCtxConfig, build_examples, parse_depths
 from aiinfra_jax.kernels.block_selection.reference import forced_blocks
@@ -144,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depths", default="5", help="a count (5) or percentages (0,25,50)")
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--out", default=None, help="write the records and the summary (JSON) here")
+    add_debug_flag(ap)
     args = ap.parse_args(argv)
     try:
         tasks = tuple(args.tasks.split(","))
@@ -157,9 +159,11 @@ def main(argv: list[str] | None = None) -> int:
         loaded = load_model(args.checkpoint, step=args.step)
         examples = build_examples(loaded.tokenizer, cfg)
         records = probe(loaded.model, examples, loaded.config.model.nsa)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except BaseException as e:  # noqa: BLE001 -- a bug is re-raised with its traceback
+        status = report_error(e, debug=args.debug, expected=(FileNotFoundError, ValueError))
+        if status is None:
+            raise
+        return status
     summary = summarize(records)
     print(format_summary(summary))
     if args.out:

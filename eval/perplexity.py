@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from aiinfra_jax.config import ConfigError
+from aiinfra_jax.errors import add_debug_flag, report_error
 from aiinfra_jax.rundir import restore_run
 
 
@@ -39,13 +39,16 @@ def main(argv=None) -> int:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="data/mesh overrides, e.g. --set data.sources=my_texts/")
     ap.add_argument("--out", default=None, help="write the JSON result here")
+    add_debug_flag(ap)
     args = ap.parse_args(argv)
     try:
         res = evaluate_checkpoint(args.checkpoint, step=args.step, overrides=args.overrides,
                                   batches=args.batches, split=args.split)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except BaseException as e:  # noqa: BLE001 -- a bug is re-raised with its traceback
+        status = report_error(e, debug=args.debug, expected=(FileNotFoundError, ValueError))
+        if status is None:
+            raise
+        return status
     print(f"{res['split']} loss {res['loss']:.4f}  perplexity {res['perplexity']:.3f}  "
           f"({res['tokens']} tokens, step {res['step']})")
     for b in res["by_position"]:

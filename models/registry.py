@@ -19,7 +19,9 @@ Mixer -- `cls(cfg: ModelConfig, *, rngs: nnx.Rngs)`
       each query attends to the cached slots < its row's length plus its own causal prefix among
       the new tokens. segment_ids, when given, marks which new tokens are real (nonzero) and which
       are right padding (0); a row's length grows by its number of real tokens (all T when None),
-      so the next call overwrites the padding.
+      so the next call overwrites the padding. A row whose real tokens do not fit in the cache's
+      max_len slots is refused, never written past the end: nothing of it is stored, its length
+      stays and its outputs are NaN (models/attention/dense.py: cache_room, refuse_rows).
   `init_cache(batch, max_len, dtype) -> pytree` (dense: {"k","v": [B,S,K,Dh], "lengths": [B] int32})
   `flops_per_token(seq_len) -> float`: forward FLOPs per token at this context length (projection
       matmuls + attention score/value terms), so sparse mixers are counted honestly.

@@ -1,6 +1,9 @@
 """Test-wide setup: 8 simulated CPU devices (for the sharding tests), set before JAX is imported."""
 
 import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `import helpers` (tests/helpers.py)
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")

@@ -57,6 +57,7 @@ import numpy as np
 from aiinfra_jax.data import sources as sources_lib
 from aiinfra_jax.data import synthetic  # noqa: F401  (registers the "synthetic:<task>" sources)
 from aiinfra_jax.data.config import DataConfig
+from aiinfra_jax.errors import DataError
 from aiinfra_jax.data.tokenizer import Tokenizer
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_weights")
@@ -125,7 +126,7 @@ class _Tokenize(grain.transforms.Map):
             else:
                 weights = np.ones(tokens.size, dtype=np.float32)
             if weights.shape != tokens.shape or tokens.size < 2:
-                raise ValueError(
+                raise DataError(
                     f"document {element['id']!r}: pre-tokenised documents need >= 2 tokens and "
                     f"loss_weights of the same length, got {tokens.size} tokens and "
                     f"{weights.size} weights"
@@ -146,7 +147,7 @@ class _Pieces(grain_exp.FlatMapTransform):
         tokens, weights = element["tokens"], element["weights"]
         n, t = tokens.size - 1, self.seq_len  # n = number of (input, target) pairs
         if n > t and self.long_documents == "error":
-            raise ValueError(
+            raise DataError(
                 f"document {element['id']!r} has {tokens.size} tokens (with BOS/EOS), more than "
                 f"seq_len + 1 = {t + 1}; set long_documents='split' or raise seq_len"
             )
@@ -204,7 +205,7 @@ def _document_dataset(
     if cfg.streams > 1:  # stream k: the split's documents k, k + streams, k + 2 * streams, ...
         indices = indices[stream :: cfg.streams]
         if indices.size == 0:
-            raise ValueError(
+            raise DataError(
                 f"data source {source.name!r}: its {split!r} split has fewer documents than "
                 f"data.streams={cfg.streams}, so stream {stream} gets none; lower data.streams or "
                 "add documents"

@@ -23,6 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from aiinfra_jax.data.config import DataConfig
+from aiinfra_jax.errors import DataError
 
 Document = str | dict[str, Any]
 SPLITS = ("train", "validation")
@@ -82,7 +83,7 @@ def open_source(spec: str, cfg: DataConfig) -> DocumentSource:
             if scheme
             else f" (registered source names: {list(registered_sources())})"
         )
-        raise ValueError(f"data source {spec!r}: no such file or folder{hint}")
+        raise DataError(f"data source {spec!r}: no such file or folder{hint}")
     return open_local(path, cfg.text_field)
 
 
@@ -114,7 +115,7 @@ def split_indices(source: DocumentSource, split: str, val_fraction: float) -> np
         )
         idx = np.flatnonzero(in_val if split == "validation" else ~in_val)
     if idx.size == 0:
-        raise ValueError(
+        raise DataError(
             f"data source {source.name!r}: the {split!r} split is empty ({len(source)} documents, "
             f"val_fraction={val_fraction}); add documents"
             + (" or raise val_fraction" if split == "validation" else " or lower val_fraction")
@@ -165,7 +166,7 @@ class EmbeddedCorpus:
         except ImportError:  # Some distributions strip pydoc_data; the .py files still suffice.
             topic_names = ()
         if not files and not topic_names:
-            raise ValueError(f"embedded corpus: no .py files under the stdlib folder {root!r}")
+            raise DataError(f"embedded corpus: no .py files under the stdlib folder {root!r}")
         return cls(root=root, files=tuple(sorted(files)), topics=topic_names)
 
     def __len__(self) -> int:
@@ -190,7 +191,7 @@ class EmbeddedCorpus:
 def _embedded(spec: str, cfg: DataConfig) -> DocumentSource:
     del cfg
     if spec != "embedded":
-        raise ValueError(f"data source {spec!r}: the embedded corpus takes no options; use 'embedded'")
+        raise DataError(f"data source {spec!r}: the embedded corpus takes no options; use 'embedded'")
     return EmbeddedCorpus.create()
 
 
@@ -203,7 +204,7 @@ def decode_utf8(data: bytes, where: str) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(
+        raise DataError(
             f"{where}: invalid UTF-8 at byte offset {e.start} ({data[e.start:e.start + 4]!r}); "
             "convert the file to UTF-8"
         ) from e
@@ -262,22 +263,22 @@ def _jsonl_text(line: bytes, path: str, line_no: int, offset: int, field: str) -
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(
+        raise DataError(
             f"{path}: invalid UTF-8 at byte offset {offset + e.start} (line {line_no}); "
             "convert the file to UTF-8"
         ) from e
     try:
         record = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from e
+        raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from e
     if not isinstance(record, dict) or field not in record:
         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-        raise ValueError(
+        raise DataError(
             f"{where}: no field {field!r} (record has {keys}); set DataConfig.text_field"
         )
     value = record[field]
     if not isinstance(value, str):
-        raise ValueError(f"{where}: field {field!r} is a {type(value).__name__}, expected a string")
+        raise DataError(f"{where}: field {field!r} is a {type(value).__name__}, expected a string")
     return value
 
 
@@ -291,7 +292,7 @@ def _scan_jsonl(path: str, rel: str, field: str) -> list[tuple[str, str, Any]]:
                 entries.append((rel, "jsonl", (offset, len(line), line_no)))
             offset += len(line)
     if not entries:
-        raise ValueError(f"data file {path!r} is empty (no JSON lines)")
+        raise DataError(f"data file {path!r} is empty (no JSON lines)")
     return entries
 
 
@@ -307,26 +308,26 @@ def _read_parquet_column(path: str, field: str) -> Any:
         import pyarrow.compute as pc  # pylint: disable=import-outside-toplevel
         import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
     except ImportError as e:
-        raise ValueError(
+        raise DataError(
             f"data file {path!r} is Parquet, but the `pyarrow` package is not installed; "
             "`pip install pyarrow` or convert it to JSONL"
         ) from e
     schema = pq.read_schema(path)
     if field not in schema.names:
-        raise ValueError(
+        raise DataError(
             f"data file {path!r}: no column {field!r} (columns: {schema.names}); set DataConfig.text_field"
         )
     column = pq.read_table(path, columns=[field], memory_map=True).column(field).combine_chunks()
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
-        raise ValueError(
+        raise DataError(
             f"data file {path!r}: column {field!r} holds {column.type} values, expected strings; "
             "set DataConfig.text_field to the text column"
         )
     if column.null_count:
         row = pc.index(column.is_null(), True).as_py()
-        raise ValueError(f"data file {path!r}, row {row}: column {field!r} is null, expected a string")
+        raise DataError(f"data file {path!r}, row {row}: column {field!r} is null, expected a string")
     if len(column) == 0:
-        raise ValueError(f"data file {path!r} is empty (no rows)")
+        raise DataError(f"data file {path!r} is empty (no rows)")
     return column
 
 
@@ -344,7 +345,7 @@ def _kind(path: str, explicit: bool) -> str | None:
 def open_local(path: str, text_field: str) -> LocalDocuments:
     """Lists and validates the documents of a local file or folder (see ``LocalDocuments``)."""
     if not os.path.exists(path):
-        raise ValueError(f"data source {path!r}: no such file or folder")
+        raise DataError(f"data source {path!r}: no such file or folder")
     if os.path.isfile(path):
         files = [(os.path.basename(path), path, _kind(path, explicit=True))]
     else:
@@ -361,7 +362,7 @@ def open_local(path: str, text_field: str) -> LocalDocuments:
                     continue
                 files.append((os.path.relpath(full, path).replace(os.sep, "/"), full, kind))
         if not files:
-            raise ValueError(
+            raise DataError(
                 f"data source {path!r}: no matching files ({skipped} other files); expected text "
                 f"({', '.join(TEXT_SUFFIXES)}), JSONL (.jsonl) or Parquet (.parquet) files"
             )
@@ -371,7 +372,7 @@ def open_local(path: str, text_field: str) -> LocalDocuments:
     columns: list[Any] = []
     for rel, full, kind in files:
         if os.path.getsize(full) == 0:
-            raise ValueError(f"data file {full!r} is empty; remove it or add text")
+            raise DataError(f"data file {full!r} is empty; remove it or add text")
         if kind == "text":
             with open(full, "rb") as f:
                 decode_utf8(f.read(), full)

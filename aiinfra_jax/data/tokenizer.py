@@ -15,6 +15,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from aiinfra_jax.errors import DataError
+
 
 @runtime_checkable
 class Tokenizer(Protocol):
@@ -69,7 +71,7 @@ class ByteTokenizer:
         values = _as_int_list(ids)
         bad = [i for i in values if i < 0 or i >= self.vocab_size]
         if bad:
-            raise ValueError(
+            raise DataError(
                 f"ByteTokenizer.decode: ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
             )
         return bytes(i for i in values if i < 256).decode("utf-8", errors="replace")
@@ -102,7 +104,7 @@ class HFTokenizer:
         try:
             import tokenizers  # pylint: disable=import-outside-toplevel
         except ImportError as e:
-            raise ValueError(
+            raise DataError(
                 f"tokenizer {path!r} is an HF tokenizer.json, but the `tokenizers` package is not "
                 "installed; `pip install tokenizers` or use tokenizer='byte'"
             ) from e
@@ -115,7 +117,7 @@ class HFTokenizer:
                 if name in vocab:
                     return int(vocab[name])
             if required:
-                raise ValueError(
+                raise DataError(
                     f"tokenizer {path!r} has no {what} token (looked for {list(names)}); add one to "
                     "the tokenizer.json"
                 )
@@ -157,15 +159,15 @@ def read_tiktoken_ranks(path: str) -> dict[bytes, int]:
             parts = line.split()
             try:
                 if len(parts) != 2:
-                    raise ValueError("expected two fields")
+                    raise DataError("expected two fields")
                 ranks[base64.b64decode(parts[0], validate=True)] = int(parts[1])
             except (ValueError, binascii.Error) as e:
-                raise ValueError(
+                raise DataError(
                     f"tiktoken BPE file {path!r}, line {line_no}: expected '<base64 token> <rank>', "
                     f"got {line[:60]!r} ({e})"
                 ) from e
     if not ranks:
-        raise ValueError(f"tiktoken BPE file {path!r} has no tokens")
+        raise DataError(f"tiktoken BPE file {path!r} has no tokens")
     return ranks
 
 
@@ -181,7 +183,7 @@ class TiktokenTokenizer:
         try:
             import tiktoken  # pylint: disable=import-outside-toplevel
         except ImportError as e:
-            raise ValueError(
+            raise DataError(
                 f"tokenizer {path!r} is a tiktoken BPE file, but the `tiktoken` package is not "
                 "installed; `pip install tiktoken` or use tokenizer='byte'"
             ) from e
@@ -228,7 +230,7 @@ def load_tokenizer(spec: str) -> Tokenizer:
     if spec == "byte":
         return ByteTokenizer()
     if not os.path.isfile(spec):
-        raise ValueError(
+        raise DataError(
             f"tokenizer {spec!r} is neither 'byte' nor an existing file (an HF tokenizer.json or a "
             "tiktoken BPE file)"
         )
@@ -236,7 +238,7 @@ def load_tokenizer(spec: str) -> Tokenizer:
         return HFTokenizer(spec)
     if _looks_like_tiktoken(spec):
         return TiktokenTokenizer(spec)
-    raise ValueError(
+    raise DataError(
         f"tokenizer file {spec!r} is not a tokenizer.json (name must end in .json) nor a tiktoken "
         "BPE file ('<base64 token> <rank>' per line)"
     )

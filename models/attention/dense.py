@@ -5,9 +5,11 @@ K key/value heads (H = G * K), Dh head_dim.
 
 Without a cache: causal attention restricted to equal segment ids (0 = padding, its own segment).
 With a cache {"k","v": [B,S,K,Dh], "lengths": [B] int32}: the T new keys/values are written at
-slots lengths[b] .. lengths[b]+T-1 (writes past S are dropped), and query i of row b sees slots
-< lengths[b] + i + 1. Rows must be right-padded; segment_ids (if given) marks real tokens
-(nonzero), and each row's length grows by its count of real tokens.
+slots lengths[b] .. lengths[b]+T-1, and query i of row b sees slots < lengths[b] + i + 1. Rows
+must be right-padded; segment_ids (if given) marks real tokens (nonzero), and each row's length
+grows by its count of real tokens. A row whose real tokens do not fit in the S slots is refused
+(`cache_room`): nothing of it is written, its length stays, and its outputs are NaN, so the
+overflow shows in its logits instead of corrupting the cache.
 """
 
 from __future__ import annotations
@@ -114,6 +116,26 @@ def cache_mask(lengths_b: jax.Array, seq: int, slots: int) -> jax.Array:
     return (jnp.arange(slots)[None, None, :] <= limit_bt[:, :, None])[:, None]
 
 
+def cache_room(lengths_b: jax.Array, segment_ids: jax.Array | None, seq: int, slots: int
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(added [B], fits [B] bool, write_at [B]) of a cached call with ``seq`` new tokens: the real
+    tokens each row adds, whether they fit in its ``slots``, and where its tokens go (a row that
+    does not fit writes at ``slots``, past the end, so write_cache drops all of it). Every mixer's
+    cache refuses an overflowing row this way (registry, "Mixer"): never a write past the end."""
+    if segment_ids is None:
+        added = jnp.full_like(lengths_b, seq)
+    else:
+        added = jnp.sum(segment_ids != 0, axis=1).astype(lengths_b.dtype)
+    fits = lengths_b + added <= slots
+    return added, fits, jnp.where(fits, lengths_b, slots)
+
+
+def refuse_rows(y_bt: jax.Array, fits_b: jax.Array) -> jax.Array:
+    """y with the rows that did not fit in their cache set to NaN (see cache_room)."""
+    fits = fits_b.reshape(fits_b.shape + (1,) * (y_bt.ndim - 1))
+    return jnp.where(fits, y_bt, jnp.asarray(jnp.nan, y_bt.dtype))
+
+
 def write_cache(buf_bskd: jax.Array, new_btkd: jax.Array, lengths_b: jax.Array) -> jax.Array:
     """buf with new[b, i] written at slot lengths[b] + i (out-of-range slots dropped)."""
     batch, seq = new_btkd.shape[:2]
@@ -168,15 +190,12 @@ class DenseAttention(nnx.Module):
         else:
             lengths = cache["lengths"]
             slots = cache["k"].shape[1]
-            k_all = write_cache(cache["k"], k, lengths)
-            v_all = write_cache(cache["v"], v, lengths)
+            added, fits, write_at = cache_room(lengths, segment_ids, seq, slots)
+            k_all = write_cache(cache["k"], k, write_at)
+            v_all = write_cache(cache["v"], v, write_at)
             mask = cache_mask(lengths, seq, slots)
-            y = sdpa(q, k_all.astype(dt), v_all.astype(dt), mask, sdpa_impl)
-            if segment_ids is None:
-                added = jnp.full_like(lengths, seq)
-            else:
-                added = jnp.sum(segment_ids != 0, axis=1).astype(lengths.dtype)
-            new_cache = {"k": k_all, "v": v_all, "lengths": lengths + added}
+            y = refuse_rows(sdpa(q, k_all.astype(dt), v_all.astype(dt), mask, sdpa_impl), fits)
+            new_cache = {"k": k_all, "v": v_all, "lengths": lengths + jnp.where(fits, added, 0)}
         out = jnp.einsum("bthk,hkd->btd", y.astype(dt), self.wo[...].astype(dt))
         return out, new_cache
 

@@ -51,7 +51,7 @@ from ..auxiliary import record
 from ..config import ModelConfig, check_implementation, runtime_field
 from ..layers import apply_rope, out_proj_std
 from ..registry import register_config, register_mixer
-from .dense import write_cache
+from .dense import cache_room, refuse_rows, write_cache
 
 NSACache = dict[str, jax.Array]
 
@@ -410,13 +410,10 @@ class NSAttention(nnx.Module):
         batch, seq = q.shape[:2]
         slots = cache[names["slc"][0]].shape[1]
         n_cmp = cache["k_cmp"].shape[1]
-        if segment_ids is None:
-            added = jnp.full_like(lengths, seq)
-        else:
-            added = jnp.sum(segment_ids != 0, axis=1).astype(lengths.dtype)
-        out = {"lengths": lengths + added}
+        added, fits, write_at = cache_room(lengths, segment_ids, seq, slots)
+        out = {"lengths": lengths + jnp.where(fits, added, 0)}
         for name in {n for pair in names.values() for n in pair}:
-            out[name] = write_cache(cache[name], new[name], lengths)
+            out[name] = write_cache(cache[name], new[name], write_at)
         # Compression sources: the cached tail (rows [len - m, len)) followed by the new tokens;
         # index c of `src` is row len - m + c. Blocks end at rows e in [len, len + added) with
         # i*d + L - 1 = e (at most ceil(T / d) of them).
@@ -426,12 +423,13 @@ class NSAttention(nnx.Module):
                for n in ("k_src", "v_src")}
         keep = (added[:, None] + jnp.arange(m, dtype=jnp.int32))[:, :, None, None]
         for n in ("k_src", "v_src"):
-            out[n] = jnp.take_along_axis(src[n], keep, axis=1).astype(cache[n].dtype)
+            tail = jnp.take_along_axis(src[n], keep, axis=1).astype(cache[n].dtype)
+            out[n] = jnp.where(fits[:, None, None, None], tail, cache[n])
         n_new = -(-seq // d)
         first = jnp.maximum(-(-(lengths - blk + 1) // d), 0)
         idx_bj = first[:, None] + jnp.arange(n_new, dtype=jnp.int32)[None, :]
         ends = idx_bj * d + blk - 1
-        valid = (ends < lengths[:, None] + added[:, None]) & (idx_bj < n_cmp)
+        valid = (ends < lengths[:, None] + added[:, None]) & (idx_bj < n_cmp) & fits[:, None]
         end_pos = jnp.take_along_axis(positions, jnp.clip(ends - lengths[:, None], 0, seq - 1),
                                       axis=1)
         k_new, v_new = self.compress(src["k_src"], src["v_src"],
@@ -451,7 +449,7 @@ class NSAttention(nnx.Module):
               "slc": tuple(out[n] for n in names["slc"]), "win": (k_win, v_win)}
         y = self._branches(q, gates, kv, seq_len=slots, q_offset=lengths,
                            win_offset=lengths - start)
-        return y, out
+        return refuse_rows(y, fits), out
 
     def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> NSACache:
         c = self.cfg.nsa

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from helpers import data_files, flip_byte_of
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -341,23 +342,6 @@ def make_bits_state(mesh, seed: int = 0) -> dict:
     bits = jax.random.bits(jax.random.key(100 + seed), (64, 32), jnp.uint32)
     state["params"]["bits"] = jax.device_put(bits, NamedSharding(mesh, P("data", "model")))
     return state
-
-
-def data_files(step_dir):
-    return sorted(p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d")
-
-
-def flip_byte_of(step_dir, array, shard: int = 0) -> None:
-    """Flips one bit in the middle of ``array``'s shard ``shard`` where the data files hold it."""
-    needle = np.asarray(array.addressable_shards[shard].data).tobytes()
-    for path in data_files(step_dir):
-        raw = bytearray(path.read_bytes())
-        at = raw.find(needle)
-        if at >= 0:
-            raw[at + len(needle) // 2] ^= 0x10
-            path.write_bytes(bytes(raw))
-            return
-    raise AssertionError(f"the bytes of that shard are not stored verbatim under {step_dir}")
 
 
 def test_flipped_byte_in_array_data_is_refused_naming_step_array_and_good_steps(tmp_path, mesh, caplog):

@@ -159,3 +159,27 @@ def test_chunked_prefill_matches_one_shot_prefill():
     ref = generate(model, [full[b, :n].tolist() for b, n in enumerate(LENGTHS)],
                    max_new_tokens=N_NEW)
     np.testing.assert_array_equal(out.tokens, ref.tokens)
+
+
+@pytest.mark.parametrize("mixer", ["dense", "nsa"])
+def test_a_row_past_its_cache_is_refused_never_written(mixer):
+    """Issue 20: cache lengths reached 383 with max_len 320. A row whose token does not fit is
+    refused: its logits are NaN, its length and its cache slots stay; the other rows go on."""
+    cfg = dataclasses.replace(CFG, mixers=(mixer, mixer))
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(_sequences()[:2, :6])
+    lengths = jnp.array([6, 3], jnp.int32)
+    max_len = 8
+    _, cache = prefill(model, tokens, lengths, max_len)
+    pos = np.array([6, 3])
+    for step in range(3):  # row 0 is full after 2 steps; its third token is refused
+        before = jax.tree.map(np.asarray, cache)
+        logits, cache = decode_step(model, cache, jnp.array([5, 7]), pos)
+        finite = np.isfinite(np.asarray(logits)).all(-1)
+        assert finite.tolist() == [step < 2, True], (step, finite)
+        pos = pos + 1
+        layer = cache[0]["mixer"] if "mixer" in cache[0] else cache[0]
+        assert np.asarray(layer["lengths"])[..., 0].max() == min(6 + step + 1, max_len)
+    refused = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a)[:, 0], b[:, 0]),
+                           cache, before)
+    assert all(jax.tree.leaves(refused)), "the refused row's cache changed"

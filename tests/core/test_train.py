@@ -11,21 +11,10 @@ import jax
 import numpy as np
 import pytest
 
-from aiinfra_jax.config import ConfigError, load_config
+from aiinfra_jax.config import ConfigError
+from helpers import tiny
 from aiinfra_jax.rundir import checkpoint_source, choose_run_dir
 from aiinfra_jax.train import NonFiniteError, train
-
-TINY = [
-    "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1",
-    "data.seq_len=32", "data.batch_size=8", "optim.warmup_steps=2", "optim.lr=3e-3",
-    "eval.every=0", "eval.batches=2", "eval.final_batches=2", "run.progress=false",
-    "mesh.num_devices=1",  # one device unless a test asks for the mesh: much faster on 2 cores
-]
-
-
-def tiny(tmp_path, *extra):
-    return load_config("configs/tiny.py", TINY + [f"run.output_dir={tmp_path}"] + list(extra))
-
 
 def losses(summary):
     return {r["step"]: r["loss"] for r in summary["history"]}
