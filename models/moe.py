@@ -1,0 +1,360 @@
+"""Standard mixture-of-experts FFN ("moe" entry of model.ffns): dropless top-k routing over SwiGLU
+experts run as grouped matmuls, optional shared experts, router losses and an aux-loss-free bias.
+
+Shape letters: B batch, T tokens, N = B*T tokens flattened, D d_model, E routed experts, K top_k,
+M = N*K (token, slot) assignments, F expert_d_ff, G expert groups (n_groups).
+
+Routing (per token, router in float32 whatever the compute dtype):
+  logits = x W_router [N,E] (+ Gaussian noise in training when router_noise > 0; the router input
+  may be jittered by U(1 - router_jitter, 1 + router_jitter), Switch style)
+  scores = softmax(logits) ("softmax") or sigmoid(logits) ("sigmoid", DeepSeek-V3)
+  choice = scores + bias (bias: the aux-loss-free balancing bias of the sigmoid router, zero for
+           softmax); it only *chooses* experts, the weights are read from `scores`
+  group limit (n_groups G > 1): a group's score is the sum of its two best `choice` values (its one
+           best when a group holds one expert); only experts of the topk_groups best groups stay
+  top-K of the remaining `choice` -> expert ids [N,K]; weights = scores at those ids, divided by
+  their sum when normalize_topk, times routed_scaling. Padding tokens (segment id 0) get weight 0.
+
+Dropless dispatch: the M assignments are sorted by expert (padding tokens' assignments after all
+real ones), gathered into x_sorted [M,D] and run through three grouped matmuls (gate and up [E,D,F],
+down [E,F,D]) whose groups are the per-expert counts of *real* assignments, so no capacity factor,
+no token is dropped, and no [N,E,F] buffer is built by this code. Padding assignments lie past the
+last group: the grouped matmul never computes them (its output there is zero), they add nothing to
+the expert counts, the load metrics, the bias update or the aux losses, and no other token's
+output depends on them. The outputs are unsorted with the inverse permutation and combined with
+the routing weights; shared experts (one fused SwiGLU of width num_shared_experts * shared_d_ff)
+see every token.
+
+Grouped matmul (`grouped_matmul`, a runtime field). "ragged_dot" = `jax.lax.ragged_dot`: it lowers
+to XLA's own `chlo.ragged_dot` on GPU and TPU (checked by lowering for "cuda" and "tpu" from the
+CPU host), which XLA runs as a grouped GEMM, and it is differentiable with no custom VJP of ours.
+tokamax (the Pallas ragged dot the issue names as an alternative) is NOT installed in this
+repository's environment (`import tokamax` fails in .venv), so it is neither used nor measured;
+once it is, it belongs behind kernels/grouped_matmul (the roadmap's next kernel op) and must earn
+its place by a speed-up measured on an accelerator. On CPU, XLA expands `ragged_dot` into a
+masked batched dot over all E experts ([E,M,D] x [E,D,F]): E/K times the active FLOPs and an
+[E,M,F] temporary, the very blow-up dropless routing exists to avoid. "blocked" is the CPU path
+without it: every expert's rows are padded to a multiple of `gmm_block` rows and a
+`jax.lax.map` over the blocks multiplies each block by its one expert's matrix (FLOPs
+(M + E * gmm_block) * D * F; no buffer larger than the padded rows). None (the default) picks per
+platform the function is lowered for, with `jax.lax.platform_dependent` as kernels/_dispatch.py
+does: "blocked" on CPU, "ragged_dot" elsewhere. Measured on this 2-core CPU (forward + backward,
+16 x 256 tokens, D 256, E 8, K 2, F 352, machine shared and loaded): "ragged_dot" costs what a
+dense SwiGLU as wide as all eight experts does (~680-800 ms), "blocked" about what the dense
+SwiGLU of equal active FLOPs does (~225-290 ms vs 175-300 ms).
+
+Auxiliary outputs (models/auxiliary.py), per layer:
+  losses  "balance_loss" = load_balance_weight * E * sum_i f_i P_i (Switch / GShard): f_i the
+          fraction of real assignments sent to expert i (no gradient), P_i the mean router
+          probability of expert i over real tokens (softmax probabilities; for the sigmoid router
+          its scores normalised per token, as DeepSeek-V3's balance loss); 1 when balanced.
+          "z_loss" = z_loss_weight * mean over real tokens of logsumexp(logits)^2 (ST-MoE).
+          A loss whose weight is 0 is not reported as a loss (nothing added to the objective).
+  metrics "balance" and "router_z" (the same two quantities unweighted, always logged),
+          "load_max" (max over experts of the load / the mean load: 1 = balanced, E = collapsed),
+          "dropped" (fraction of real assignments the grouped matmuls did not process: computed
+          from the group sizes they ran with, 0 when dropless), "router_entropy" (mean over real
+          tokens of the entropy, in nats, of the routing distribution above).
+  record  "expert_ids" [B,T,K] int32 (returned only with capture_intermediates=True; routing
+          traces for the weight-loading measurements).
+
+Aux-loss-free balancing bias (sigmoid router, DeepSeek-V3): a non-parameter variable `bias` [E]
+(class RoutingBias), never differentiated. In training -- a call with rngs, which the FFN interface
+gives only in training (models/registry.py) -- it moves after routing by
+bias_i += bias_update_rate * sign(mean_i load - load_i) from this call's real-token counts. The
+Transformer returns non-parameter state that a block updated in place through its layer scan and
+remat, and the training step carries it as state["model_state"] (kept unchanged by a non-finite
+step) and checkpoints it; evaluation and generation (no rngs) read it and never move it. With
+optim.grad_accum = A it moves once per micro-batch (A times per optimizer step).
+
+Parallelism: expert weights carry the logical axis "expert" (aiinfra_jax/sharding.py maps it to
+the mesh's "expert" axis), "embed" and "mlp". The dispatch sorts the assignments of the whole call;
+under a data-parallel mesh XLA partitions that sort and gather by itself (correct, not
+communication-optimal); expert parallelism with an all-to-all inside shard_map is future work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .auxiliary import record, report_loss, report_metric
+from .config import ModelConfig, runtime_field
+from .layers import SwiGLU, make_param, out_proj_std
+from .registry import register_config, register_ffn
+
+ROUTERS = ("softmax", "sigmoid")
+GROUPED_MATMULS = (None, "ragged_dot", "blocked")
+
+
+@register_config("moe")
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts settings, used by layers whose FFN is "moe" (see the module docstring).
+
+    expert_d_ff None = ModelConfig.resolved_d_ff // top_k (about the dense SwiGLU's active FLOPs
+    without shared experts); shared_d_ff None = the expert width.
+    """
+
+    num_experts: int = 8
+    top_k: int = 2
+    expert_d_ff: int | None = None
+    num_shared_experts: int = 0
+    shared_d_ff: int | None = None
+    router: str = "softmax"  # "softmax" | "sigmoid" (DeepSeek-V3 scores with a balancing bias)
+    n_groups: int = 1  # expert groups for group-limited routing (1 = no limit)
+    topk_groups: int = 1  # a token's experts come from its topk_groups best groups
+    routed_scaling: float = 1.0  # routed experts' weights are multiplied by it
+    normalize_topk: bool = True  # divide the top-K weights by their sum
+    # How the model trains and runs, not what it computes: may change on resume (--set).
+    bias_update_rate: float = runtime_field(1e-3)  # sigmoid router's bias step per training call
+    load_balance_weight: float = runtime_field(1e-2)
+    z_loss_weight: float = runtime_field(1e-3)
+    router_jitter: float = runtime_field(0.0)  # training only: router input * U(1-j, 1+j)
+    router_noise: float = runtime_field(0.0)  # training only: std of noise added to router logits
+    # None (best for the lowering platform: "blocked" on CPU, "ragged_dot" elsewhere) |
+    # "ragged_dot" | "blocked"
+    grouped_matmul: str | None = runtime_field(None)
+    gmm_block: int = runtime_field(128)  # rows per block of the "blocked" grouped matmul
+
+    def __post_init__(self):
+        for name in ("num_experts", "top_k", "n_groups", "topk_groups", "gmm_block"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"MoEConfig.{name}={v!r}: must be a positive int")
+        if not isinstance(self.num_shared_experts, int) or self.num_shared_experts < 0:
+            raise ValueError(f"MoEConfig.num_shared_experts={self.num_shared_experts!r}: must be "
+                             "an int >= 0")
+        for name in ("expert_d_ff", "shared_d_ff"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                raise ValueError(f"MoEConfig.{name}={v!r}: must be a positive int or None")
+        if self.router not in ROUTERS:
+            raise ValueError(f"MoEConfig.router={self.router!r}: valid choices: {ROUTERS}")
+        if self.grouped_matmul not in GROUPED_MATMULS:
+            raise ValueError(f"MoEConfig.grouped_matmul={self.grouped_matmul!r}: valid choices: "
+                             f"{GROUPED_MATMULS}")
+        if self.num_experts % self.n_groups:
+            raise ValueError(f"MoEConfig.n_groups={self.n_groups}: must divide num_experts="
+                             f"{self.num_experts}")
+        if self.topk_groups > self.n_groups:
+            raise ValueError(f"MoEConfig.topk_groups={self.topk_groups}: must be <= n_groups="
+                             f"{self.n_groups}")
+        reachable = self.topk_groups * (self.num_experts // self.n_groups)
+        if self.top_k > reachable:
+            raise ValueError(f"MoEConfig.top_k={self.top_k}: exceeds the {reachable} experts of "
+                             f"the topk_groups={self.topk_groups} best groups (num_experts="
+                             f"{self.num_experts}, n_groups={self.n_groups}); lower top_k or raise "
+                             "topk_groups")
+        for name in ("routed_scaling", "bias_update_rate", "load_balance_weight", "z_loss_weight",
+                     "router_jitter", "router_noise"):
+            v = getattr(self, name)
+            if (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)
+                    or v < 0):
+                raise ValueError(f"MoEConfig.{name}={v!r}: must be a finite number >= 0")
+        if self.routed_scaling == 0:
+            raise ValueError("MoEConfig.routed_scaling=0: must be > 0 (it scales the experts' "
+                             "output)")
+        if self.router_jitter >= 1:
+            raise ValueError(f"MoEConfig.router_jitter={self.router_jitter}: must be < 1")
+
+    def check_model(self, cfg: ModelConfig) -> None:
+        """Called by ModelConfig's validation for every model; checks only models with a "moe"
+        FFN: the derived expert width must be >= 1."""
+        if "moe" in cfg.ffns and self.resolved_expert_d_ff(cfg) < 1:
+            raise ValueError(f"ModelConfig.moe: expert_d_ff = d_ff // top_k = "
+                             f"{cfg.resolved_d_ff} // {self.top_k} is 0; set model.moe.expert_d_ff")
+
+    def resolved_expert_d_ff(self, cfg: ModelConfig) -> int:
+        return self.expert_d_ff if self.expert_d_ff is not None else cfg.resolved_d_ff // self.top_k
+
+    def resolved_shared_d_ff(self, cfg: ModelConfig) -> int:
+        """Width of the fused shared-expert SwiGLU (0 without shared experts)."""
+        one = self.shared_d_ff if self.shared_d_ff is not None else self.resolved_expert_d_ff(cfg)
+        return self.num_shared_experts * one
+
+
+class RoutingBias(nnx.Variable):
+    """The sigmoid router's aux-loss-free balancing bias [E]: non-parameter state, moved outside
+    the gradient (see the module docstring)."""
+
+
+# ----------------------------------------------------------------------------- routing
+
+
+def route(scores_ne: jax.Array, bias_e: jax.Array | None, top_k: int, n_groups: int = 1,
+          topk_groups: int = 1) -> jax.Array:
+    """Expert ids [N,K] int32: the top-K of scores + bias (bias only chooses), restricted to the
+    experts of each token's topk_groups best groups when n_groups > 1 (a group's score: the sum of
+    its two best biased scores, or its best one when a group holds one expert)."""
+    choice = scores_ne if bias_e is None else scores_ne + bias_e
+    n, e = choice.shape
+    if n_groups > 1:
+        per_group = choice.reshape(n, n_groups, e // n_groups)
+        best = jax.lax.top_k(per_group, min(2, e // n_groups))[0]
+        _, top_groups = jax.lax.top_k(best.sum(-1), topk_groups)  # [N, topk_groups]
+        keep_ng = jnp.zeros((n, n_groups), bool).at[jnp.arange(n)[:, None], top_groups].set(True)
+        keep_ne = jnp.repeat(keep_ng, e // n_groups, axis=1)
+        choice = jnp.where(keep_ne, choice, -jnp.inf)
+    return jax.lax.top_k(choice, top_k)[1].astype(jnp.int32)
+
+
+def routing_distribution(logits_ne: jax.Array, router: str) -> jax.Array:
+    """Per-token distribution over experts [N,E] used by the balance loss and the entropy:
+    softmax probabilities, or the sigmoid scores normalised to sum 1."""
+    if router == "softmax":
+        return jax.nn.softmax(logits_ne, axis=-1)
+    s = jax.nn.sigmoid(logits_ne)
+    return s / jnp.maximum(s.sum(-1, keepdims=True), 1e-20)
+
+
+# ----------------------------------------------------------------------------- grouped matmul
+
+
+def grouped_matmul(x_md: jax.Array, w_edf: jax.Array, group_sizes_e: jax.Array,
+                   implementation: str | None = None, block: int = 128) -> jax.Array:
+    """y [M,F] with rows of group e (consecutive, sizes group_sizes [E]) multiplied by w[e]; rows
+    past sum(group_sizes) are zero. Accumulates in float32, returns x's dtype."""
+    if implementation is None:  # per the platform the call is lowered for (kernels/_dispatch.py)
+        branch = lambda impl: lambda *a: grouped_matmul(*a, implementation=impl,  # noqa: E731
+                                                        block=block)
+        return jax.lax.platform_dependent(x_md, w_edf, group_sizes_e, cpu=branch("blocked"),
+                                          default=branch("ragged_dot"))
+    if implementation == "ragged_dot":
+        return jax.lax.ragged_dot(x_md, w_edf, group_sizes_e,
+                                  preferred_element_type=jnp.float32).astype(x_md.dtype)
+    if implementation != "blocked":
+        raise ValueError(f"grouped_matmul: implementation={implementation!r}: valid choices: "
+                         f"{GROUPED_MATMULS}")
+    m, d = x_md.shape
+    e = w_edf.shape[0]
+    n_blocks = -(-m // block) + e  # sum_e ceil(size_e / block) never exceeds it
+    sizes = group_sizes_e.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    padded = -(-sizes // block) * block
+    padded_ends = jnp.cumsum(padded)
+    rows = jnp.arange(m, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(ends, rows, side="right"), e - 1)
+    dest = padded_ends[group] - padded[group] + rows - (ends[group] - sizes[group])
+    dest = jnp.where(rows < ends[-1], dest, n_blocks * block)  # past the last group: dropped
+    x_pad = jnp.zeros((n_blocks * block, d), x_md.dtype).at[dest].set(x_md, mode="drop")
+    block_group = jnp.searchsorted(padded_ends, jnp.arange(n_blocks) * block, side="right")
+    block_group = jnp.minimum(block_group, e - 1)  # blocks past the end: zero rows, any expert
+
+    def one_block(args):
+        xb, g = args
+        return jnp.dot(xb, w_edf[g], preferred_element_type=jnp.float32).astype(x_md.dtype)
+
+    y_pad = jax.lax.map(one_block, (x_pad.reshape(n_blocks, block, d), block_group))
+    y_pad = y_pad.reshape(n_blocks * block, -1)
+    return jnp.take(y_pad, dest, axis=0, mode="fill", fill_value=0)
+
+
+# ----------------------------------------------------------------------------- the FFN
+
+
+@register_ffn("moe")
+class MoE(nnx.Module):
+    """Dropless top-K mixture of SwiGLU experts (see the module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        c = cfg.moe
+        d, e, f = cfg.d_model, c.num_experts, c.resolved_expert_d_ff(cfg)
+        pd = cfg.param_dtype
+        self.w_router = make_param(rngs, (d, e), ("embed", None), cfg.init_std, "float32")
+        self.w_gate = make_param(rngs, (e, d, f), ("expert", "embed", "mlp"), cfg.init_std, pd)
+        self.w_up = make_param(rngs, (e, d, f), ("expert", "embed", "mlp"), cfg.init_std, pd)
+        self.w_down = make_param(rngs, (e, f, d), ("expert", "mlp", "embed"), out_proj_std(cfg),
+                                 pd)
+        fs = c.resolved_shared_d_ff(cfg)
+        self.shared = SwiGLU(dataclasses.replace(cfg, d_ff=fs), rngs=rngs) if fs else None
+        self.bias = (RoutingBias(jnp.zeros((e,), jnp.float32), logical_axes=(None,))
+                     if c.router == "sigmoid" else None)
+
+    def __call__(self, x_btd: jax.Array, *, segment_ids: jax.Array | None = None,
+                 rngs: nnx.Rngs | None = None) -> jax.Array:
+        c = self.cfg.moe
+        dt = jnp.dtype(self.cfg.dtype)
+        b, t, d = x_btd.shape
+        e, k = c.num_experts, c.top_k
+        n = b * t
+        x_nd = x_btd.reshape(n, d).astype(dt)
+        real_n = (jnp.ones((n,), bool) if segment_ids is None
+                  else segment_ids.reshape(n) != 0)
+        real_f = real_n.astype(jnp.float32)
+        n_real = jnp.maximum(real_f.sum(), 1.0)
+
+        # Router (float32).
+        xr = x_nd.astype(jnp.float32)
+        if rngs is not None and c.router_jitter > 0:
+            xr = xr * jax.random.uniform(rngs.router(), xr.shape, jnp.float32,
+                                         1.0 - c.router_jitter, 1.0 + c.router_jitter)
+        logits = xr @ self.w_router[...].astype(jnp.float32)  # [N,E]
+        if rngs is not None and c.router_noise > 0:
+            logits = logits + c.router_noise * jax.random.normal(rngs.router(), logits.shape)
+        scores = (jax.nn.softmax(logits, axis=-1) if c.router == "softmax"
+                  else jax.nn.sigmoid(logits))
+        bias = None if self.bias is None else jax.lax.stop_gradient(self.bias[...])
+        ids_nk = route(jax.lax.stop_gradient(scores), bias, k, c.n_groups, c.topk_groups)
+        weights_nk = jnp.take_along_axis(scores, ids_nk, axis=1)
+        if c.normalize_topk:
+            weights_nk = weights_nk / jnp.maximum(weights_nk.sum(-1, keepdims=True), 1e-20)
+        weights_nk = weights_nk * c.routed_scaling * real_f[:, None]
+
+        # Dropless dispatch: sort the real assignments by expert, padding's after them all.
+        expert_m = jnp.where(jnp.repeat(real_n, k), ids_nk.reshape(-1), e)
+        order_m = jnp.argsort(expert_m, stable=True)
+        counts = jnp.zeros((e + 1,), jnp.int32).at[expert_m].add(1)[:e]  # real assignments
+        x_md = jnp.take(x_nd, order_m // k, axis=0)
+        gmm = lambda a, w: grouped_matmul(a, w[...].astype(dt), counts,  # noqa: E731
+                                          c.grouped_matmul, c.gmm_block)
+        h_mf = jax.nn.silu(gmm(x_md, self.w_gate)) * gmm(x_md, self.w_up)
+        y_md = gmm(h_mf, self.w_down)
+        inverse_m = jnp.zeros_like(order_m).at[order_m].set(jnp.arange(n * k, dtype=order_m.dtype))
+        y_nkd = jnp.take(y_md, inverse_m, axis=0).reshape(n, k, d)
+        y_nd = jnp.einsum("nkd,nk->nd", y_nkd, weights_nk.astype(dt),
+                          preferred_element_type=jnp.float32).astype(dt)
+        if self.shared is not None:
+            y_nd = y_nd + self.shared(x_nd[None])[0]
+
+        self._report(logits, counts, real_f, n_real)
+        record(self, "expert_ids", ids_nk.reshape(b, t, k))
+        if self.bias is not None and rngs is not None and c.bias_update_rate > 0:
+            load = counts.astype(jnp.float32)
+            self.bias[...] = self.bias[...] + c.bias_update_rate * jnp.sign(load.mean() - load)
+        return y_nd.reshape(b, t, d)
+
+    def _report(self, logits_ne, counts_e, real_n, n_real) -> None:
+        """Aux losses and metrics over the real tokens (see the module docstring)."""
+        c = self.cfg.moe
+        e = c.num_experts
+        assigned = n_real * c.top_k
+        f_e = counts_e.astype(jnp.float32) / assigned  # no gradient (integer counts)
+        probs = routing_distribution(logits_ne, c.router)
+        p_e = jnp.einsum("ne,n->e", probs, real_n) / n_real
+        balance = e * jnp.sum(f_e * p_e)
+        z = jnp.sum(jnp.square(jax.nn.logsumexp(logits_ne, axis=-1)) * real_n) / n_real
+        if c.load_balance_weight > 0:
+            report_loss(self, "balance_loss", c.load_balance_weight * balance)
+        if c.z_loss_weight > 0:
+            report_loss(self, "z_loss", c.z_loss_weight * z)
+        sg = jax.lax.stop_gradient
+        entropy = -jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-20)), axis=-1)
+        report_metric(self, "balance", sg(balance))
+        report_metric(self, "router_z", sg(z))
+        report_metric(self, "load_max", jnp.max(f_e) * e)
+        wanted = jnp.sum(real_n) * c.top_k  # real assignments routed
+        report_metric(self, "dropped", (wanted - counts_e.sum()) / jnp.maximum(wanted, 1.0))
+        report_metric(self, "router_entropy", sg(jnp.sum(entropy * real_n) / n_real))
+
+    def flops_per_token(self) -> float:
+        """Active forward FLOPs: router, the top_k routed SwiGLU experts and the shared experts."""
+        c, d = self.cfg.moe, self.cfg.d_model
+        routed = c.top_k * 2.0 * 3 * d * c.resolved_expert_d_ff(self.cfg)
+        shared = 2.0 * 3 * d * c.resolved_shared_d_ff(self.cfg)
+        return 2.0 * d * c.num_experts + routed + shared
