@@ -42,3 +42,11 @@ def flip_byte_of(step_dir, array, shard: int = 0) -> None:
             path.write_bytes(bytes(raw))
             return
     raise AssertionError(f"the bytes of that shard are not stored verbatim under {step_dir}")
+
+
+def cli_args(tmp_path, *extra) -> list[str]:
+    """train.py's command line for ``tiny(tmp_path, *extra)``."""
+    args = ["--config", str(ROOT / "configs" / "tiny.py")]
+    for kv in TINY + [f"run.output_dir={tmp_path}"] + list(extra):
+        args += ["--set", kv]
+    return args

@@ -3,29 +3,19 @@ config.json only after the compatibility check, one-line errors, a full disk, ex
 The trials behind each test are listed in RELIABILITY.md."""
 
 import json
-import os
 import resource
 import signal
 import subprocess
 import sys
 import textwrap
-import threading
-import time
 
 import pytest
 
-from aiinfra_jax.errors import EXIT_STOPPED, RunLockedError
+from aiinfra_jax.errors import RunLockedError
 from aiinfra_jax.eval import perplexity
 from aiinfra_jax.train import NonFiniteError, main, train
 
-from helpers import ROOT, TINY, data_files, tiny
-
-
-def cli_args(tmp_path, *extra):
-    args = ["--config", "configs/tiny.py"]
-    for kv in TINY + [f"run.output_dir={tmp_path}"] + list(extra):
-        args += ["--set", kv]
-    return args
+from helpers import ROOT, cli_args, data_files, tiny
 
 
 def test_a_second_run_on_a_locked_directory_is_refused_then_a_dead_holder_is_taken_over(
@@ -162,18 +152,3 @@ def test_a_full_disk_names_the_cause_and_the_last_good_checkpoint(tmp_path):
     last = err.strip().splitlines()[-1]
     assert last.startswith("error: the file system refused a write: File too large"), last
     assert "no checkpoint was saved before it" in last, last
-
-
-def test_sigterm_stops_with_its_own_exit_status(tmp_path, capsys):
-    metrics = tmp_path / "tiny" / "logs" / "metrics.jsonl"
-
-    def killer():
-        deadline = time.time() + 120
-        while time.time() < deadline and not (metrics.exists() and metrics.stat().st_size):
-            time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=killer, daemon=True).start()
-    assert main(cli_args(tmp_path, "run.steps=100000", "run.log_every=1",
-                         "checkpoint.every=0")) == EXIT_STOPPED
-    assert "run the same command again to resume" in capsys.readouterr().out

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -12,9 +13,10 @@ import numpy as np
 import pytest
 
 from aiinfra_jax.config import ConfigError
-from helpers import tiny
+from helpers import cli_args, tiny
 from aiinfra_jax.rundir import checkpoint_source, choose_run_dir
-from aiinfra_jax.train import NonFiniteError, train
+from aiinfra_jax.errors import EXIT_STOPPED
+from aiinfra_jax.train import NonFiniteError, main, train
 
 def losses(summary):
     return {r["step"]: r["loss"] for r in summary["history"]}
@@ -139,8 +141,7 @@ def test_non_finite_loss_stops_naming_the_step_and_keeps_checkpoint(tmp_path):
     assert ckpts, "the last good checkpoint must be kept"
 
 
-def test_sigterm_saves_and_exits_cleanly(tmp_path):
-    cfg = tiny(tmp_path, "run.steps=100000", "run.log_every=1", "checkpoint.every=0")
+def test_sigterm_saves_and_exits_with_its_own_status(tmp_path, capsys):
     metrics = tmp_path / "tiny" / "logs" / "metrics.jsonl"
 
     def killer():
@@ -150,10 +151,13 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=killer, daemon=True).start()
-    s = train(cfg, quiet=True)
-    assert not s["finished"] and 0 < s["step"] < 100000
+    assert main(cli_args(tmp_path, "run.steps=100000", "run.log_every=1",
+                         "checkpoint.every=0")) == EXIT_STOPPED
+    out = capsys.readouterr().out
+    step = int(re.search(r"stopped at step (\d+) \(SIGTERM\)", out).group(1))
+    assert "run the same command again to resume" in out and 0 < step < 100000
     steps = [int(p.name) for p in (tmp_path / "tiny" / "checkpoints").iterdir() if p.name.isdigit()]
-    assert s["step"] in steps
+    assert step in steps
 
 
 def test_host_keeps_at_most_two_steps_in_flight(tmp_path, monkeypatch):
