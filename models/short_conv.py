@@ -36,6 +36,40 @@ from .config import ModelConfig
 from .layers import make_param
 
 
+def causal_conv(x_btc: jax.Array, w_wc: jax.Array, *, segment_ids: jax.Array | None = None,
+                state: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+    """Causal depthwise convolution sum_{k<W} w[k] * x[t-k] (one filter per channel C), in x's
+    dtype; returns (conv [B,T,C], new state [B,W-1,C] or None).
+
+    Without ``state`` (training): the sequence starts at x[:, 0]; ``segment_ids`` [B,T] (0 =
+    padding) keeps the filter inside each document. With ``state`` (prefill / decode): the W - 1
+    inputs before x; ``segment_ids`` then only marks right padding (0), and the new state holds
+    each row's last W - 1 real inputs. Shared by ShortConv (with a residual) and the gated-delta
+    mixers' q/k/v convolutions (models/attention/gated_delta.py).
+    """
+    width = w_wc.shape[0]
+    batch, seq, c = x_btc.shape
+    lead = width - 1
+    past = jnp.zeros((batch, lead, c), x_btc.dtype) if state is None else state.astype(x_btc.dtype)
+    xa = jnp.concatenate([past, x_btc], axis=1)  # [B, W-1+T, C]; x_t is xa[:, t + W - 1]
+    if state is None and segment_ids is not None:
+        seg = jnp.concatenate([jnp.full((batch, lead), -1, segment_ids.dtype), segment_ids], 1)
+    y = jnp.zeros_like(x_btc)
+    for k in range(width):
+        term = xa[:, lead - k: lead - k + seq] * w_wc[k]
+        if state is None and segment_ids is not None and k:
+            same = seg[:, lead - k: lead - k + seq] == segment_ids
+            term = jnp.where(same[..., None], term, 0)
+        y = y + term
+    if state is None:
+        return y, None
+    real = (jnp.full((batch,), seq, jnp.int32) if segment_ids is None
+            else jnp.sum(segment_ids != 0, axis=1).astype(jnp.int32))
+    idx = real[:, None] + jnp.arange(lead)[None, :]  # the last W-1 real inputs, in xa
+    new_state = jnp.take_along_axis(xa, idx[..., None], axis=1)
+    return y, new_state.astype(state.dtype)
+
+
 class ShortConv(nnx.Module):
     """y = x + causal depthwise conv(x), within segments; see the module docstring."""
 
@@ -51,36 +85,11 @@ class ShortConv(nnx.Module):
 
     def __call__(self, x_btd: jax.Array, *, segment_ids: jax.Array | None = None,
                  state: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
-        """x [B,T,D] -> (y [B,T,D], new state [B,W-1,D] or None).
-
-        Without ``state`` (training): the sequence starts at x[:, 0]; ``segment_ids`` [B,T] (0 =
-        padding) keeps the filter inside each document. With ``state`` (prefill / decode, from
-        ``init_state``): the W - 1 inputs before x; ``segment_ids`` then only marks right padding
-        (0), and the new state holds each row's last W - 1 real inputs.
-        """
+        """x [B,T,D] -> (y [B,T,D], new state [B,W-1,D] or None); see `causal_conv`."""
         dt = jnp.dtype(self.dtype)
-        w = self.weight[...].astype(dt)
-        x = x_btd.astype(dt)
-        batch, seq, d = x.shape
-        lead = self.width - 1
-        past = jnp.zeros((batch, lead, d), dt) if state is None else state.astype(dt)
-        xa = jnp.concatenate([past, x], axis=1)  # [B, W-1+T, D]; x_t is xa[:, t + W - 1]
-        if state is None and segment_ids is not None:
-            seg = jnp.concatenate([jnp.full((batch, lead), -1, segment_ids.dtype), segment_ids], 1)
-        y = x
-        for k in range(self.width):
-            term = xa[:, lead - k: lead - k + seq] * w[k]
-            if state is None and segment_ids is not None and k:
-                same = seg[:, lead - k: lead - k + seq] == segment_ids
-                term = jnp.where(same[..., None], term, 0)
-            y = y + term
-        if state is None:
-            return y.astype(x_btd.dtype), None
-        real = (jnp.full((batch,), seq, jnp.int32) if segment_ids is None
-                else jnp.sum(segment_ids != 0, axis=1).astype(jnp.int32))
-        idx = real[:, None] + jnp.arange(lead)[None, :]  # the last W-1 real inputs, in xa
-        new_state = jnp.take_along_axis(xa, idx[..., None], axis=1)
-        return y.astype(x_btd.dtype), new_state.astype(state.dtype)
+        conv, new_state = causal_conv(x_btd.astype(dt), self.weight[...].astype(dt),
+                                      segment_ids=segment_ids, state=state)
+        return (x_btd.astype(dt) + conv).astype(x_btd.dtype), new_state
 
     def init_state(self, batch: int, dtype: Any) -> jax.Array:
         """Zeros [B, W-1, D]: the inputs before position 0 (none)."""

@@ -1,6 +1,7 @@
-"""Token mixers. Importing this package registers the built-in ones ("dense")."""
+"""Token mixers. Importing this package registers the built-in ones ("dense", "nsa", "gdn", "kda")."""
 
 from . import dense  # noqa: F401  (registers "dense")
+from . import gated_delta  # noqa: F401  (registers "gdn" and "kda")
 from . import nsa  # noqa: F401  (registers "nsa")
 from .dense import DenseAttention
 
