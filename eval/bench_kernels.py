@@ -11,6 +11,13 @@ Ops, at NSA's default shapes (one GQA group of 16 query heads over 1 KV head, bl
   window      flash_attention with a sliding window of 512 keys (NSA's window branch)
   compressed  flash_attention over T/16 compressed keys with the compressed-causal mask (l=32, d=16)
   select      select_blocks (scores from q, compressed keys and lse; top-n), forward only
+  gdn, kda    gated_delta_rule, chunkwise (H = HV = --heads value and query/key heads, K = V =
+              --head-dim, L2-normalised q/k, log-decays logsigmoid(N(0,1))/16, beta sigmoid(N));
+              gdn_rec / kda_rec: the same through the step-by-step float32 recurrence
+              (kernels/gated_delta/reference.py), the baseline of the chunked form's speed-up
+              (`recurrent_speedup` on the chunked rows). Their speed-up over dense causal
+              attention is read against dense_* with --kv-heads = --heads (no GQA), the shape
+              whose arithmetic matches.
   dense_*     the baseline: dense causal attention, as jax.nn.dot_product_attention (dense_sdpa, only
               while its [B,H,T,T] float32 score matrix fits in --dense-materialise-gb) and as this
               library's chunked flash_attention with a causal mask (dense_flash); the faster of the
@@ -38,6 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from aiinfra_jax.kernels.block_selection import select_blocks
+from aiinfra_jax.kernels.gated_delta import gated_delta_rule, gated_delta_rule_reference
+from aiinfra_jax.kernels.gated_delta.cost import gated_delta_bytes, gated_delta_flops
 from aiinfra_jax.kernels.flash_attention import (AttentionMask, flash_attention,
                                                  flash_attention_bytes, flash_attention_flops)
 from aiinfra_jax.kernels.sparse_attention import (sparse_attention, sparse_attention_bytes,
@@ -186,12 +195,21 @@ def bench_length(T: int, args, impl: str | None, rng: np.random.Generator) -> li
                      "baseline": ""})
         print(f"  T={T:>6} {'select':<11} {'fwd':<8} {sec * 1e3:10.1f} ms  ({note})", flush=True)
 
+    for op in ("gdn", "kda", "gdn_rec", "kda_rec"):
+        if op in args.ops:
+            _bench_gated_delta(op, T, args, impl, run_gd=run, rng_key=kcc)
+
     # ratios against the fastest dense baseline of the same T and mode
     dense = {}
     for r in rows:
         if r["op"].startswith("dense") and (r["mode"] not in dense
                                             or r["seconds"] < dense[r["mode"]]["seconds"]):
             dense[r["mode"]] = r
+    rec = {(r["op"].removesuffix("_rec"), r["mode"]): r for r in rows if r["op"].endswith("_rec")}
+    for r in rows:
+        base = rec.get((r["op"], r["mode"]))
+        if base:
+            r["recurrent_speedup"] = base["seconds"] / r["seconds"]
     for r in rows:
         d = dense.get(r["mode"])
         if d and not r["op"].startswith("dense"):
@@ -201,6 +219,33 @@ def bench_length(T: int, args, impl: str | None, rng: np.random.Generator) -> li
     return rows
 
 
+def _bench_gated_delta(op: str, T: int, args, impl: str | None, *, run_gd, rng_key) -> None:
+    """One gated-delta row pair (fwd, fwd+bwd) through bench_length's `run`: q/k/v vary, g and
+    beta are fixed inputs drawn here."""
+    B, H, D = 1, args.heads, args.head_dim
+    kda = op.startswith("kda")
+    kg, kb, kq, kk, kv = jax.random.split(rng_key, 5)
+    g_shape = (B, T, H, D) if kda else (B, T, H)
+    g = jax.nn.log_sigmoid(jax.random.normal(kg, g_shape, jnp.float32)) / 16
+    beta = jax.nn.sigmoid(jax.random.normal(kb, (B, T, H), jnp.float32))
+    dt = jnp.dtype(args.dtype)
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+    kd = unit(jax.random.normal(kk, (B, T, H, D), jnp.float32)).astype(dt)
+    vd = jax.random.normal(kv, (B, T, H, D), dt)
+    if op.endswith("_rec"):
+        attn = lambda q, k, v: gated_delta_rule_reference(unit(q), k, v, g, beta)[0]
+    else:
+        attn = lambda q, k, v: gated_delta_rule(unit(q), k, v, g, beta, implementation=impl)
+    if op.endswith("_rec"):  # per token and head: read k^T S, write the update, read q^T S
+        flops = [6.0 * B * T * H * D * D * (2 if bw else 1) for bw in (False, True)]
+    else:
+        flops = [gated_delta_flops(B, T, H, H, D, D, per_channel=kda, backward=bw)
+                 for bw in (False, True)]
+    nbytes = [gated_delta_bytes(B, T, H, H, D, D, itemsize=dt.itemsize, per_channel=kda,
+                                backward=bw) for bw in (False, True)]
+    run_gd(op, attn, *flops, *nbytes, kv=(kd, vd))
+
+
 def write_outputs(rows: list[dict], meta: dict, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
@@ -208,14 +253,15 @@ def write_outputs(rows: list[dict], meta: dict, out_dir: Path) -> None:
              f"Hkv={meta['kv_heads']}, D={meta['head_dim']}, block {meta['block']}, "
              f"n={meta['n']}; {meta['date']}", "",
              "| op | T | mode | time (ms) | GFLOP/s | GB/s | temp MiB | speed-up vs dense | "
-             "FLOP ratio | timing |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "FLOP ratio | vs recurrence | timing |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         su = f"{r['speedup_vs_dense']:.2f}x" if r.get("speedup_vs_dense") else ""
         fr = f"{r['flop_ratio_vs_dense']:.1f}x" if r.get("flop_ratio_vs_dense") else ""
         op = r["op"] + (f" (vs {r['baseline']})" if r.get("speedup_vs_dense") else "")
+        rec = f"{r['recurrent_speedup']:.1f}x" if r.get("recurrent_speedup") else ""
         lines.append(f"| {op} | {r['T']} | {r['mode']} | {r['seconds'] * 1e3:.1f} | "
                      f"{r['flop_per_s'] / 1e9:.1f} | {r['bytes_per_s'] / 1e9:.2f} | "
-                     f"{r['temp_bytes'] / 2**20:.0f} | {su} | {fr} | {r['timing']} |")
+                     f"{r['temp_bytes'] / 2**20:.0f} | {su} | {fr} | {rec} | {r['timing']} |")
     (out_dir / "results.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib

@@ -8,11 +8,14 @@ from aiinfra_jax.eval import bench_kernels, bench_train
 def test_bench_kernels_toy(tmp_path):
     assert bench_kernels.main(["--lengths", "256", "--heads", "2", "--head-dim", "16",
                                "--block", "16", "--n", "4", "--repeats", "1",
+                               "--ops", "dense,sparse,window,compressed,select,gdn,gdn_rec",
                                "--out-dir", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "results.json").read_text())
     ops = {(r["op"], r["mode"]) for r in res["rows"]}
     assert {("dense_sdpa", "fwd"), ("dense_flash", "fwd+bwd"), ("sparse", "fwd+bwd"),
-            ("window", "fwd"), ("compressed", "fwd+bwd"), ("select", "fwd")} <= ops
+            ("window", "fwd"), ("compressed", "fwd+bwd"), ("select", "fwd"),
+            ("gdn", "fwd+bwd"), ("gdn_rec", "fwd")} <= ops
+    assert all("recurrent_speedup" in r for r in res["rows"] if r["op"] == "gdn")
     assert all(r["seconds"] > 0 for r in res["rows"])
     assert all("speedup_vs_dense" in r for r in res["rows"] if not r["op"].startswith("dense"))
     assert (tmp_path / "results.md").exists() and (tmp_path / "time_vs_length.png").exists()
