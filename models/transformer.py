@@ -261,6 +261,12 @@ class Transformer(nnx.Module):
         # replaces `finalize(cfg, carry)`.
         make_final = getattr(get_residual(cfg.residual), "make_final", None)
         self.residual_final = None if make_final is None else make_final(cfg, rngs=rngs)
+        # Optional mixer hook: a classmethod `after_build(model)` finishes what a mixer cannot set
+        # without its layer index (MSA's routing layers), once per mixer kind in the pattern.
+        for kind in dict.fromkeys(cfg.mixers):
+            after_build = getattr(get_mixer(kind), "after_build", None)
+            if after_build is not None:
+                after_build(self)
 
     # Forward -------------------------------------------------------------------------------
     def __call__(self, tokens: jax.Array, *, positions: jax.Array,

@@ -1,0 +1,493 @@
+"""Memory Sparse Attention ("msa" mixer, arXiv 2603.23516), part 1 of issue 21: the trainable core.
+
+Shape letters: B batch, T tokens, D d_model, H query heads, K key/value heads (H = G * K), Dh
+head_dim, N document slots per row (MSAConfig.max_documents), C chunk slots per row
+(min(T, T // chunk + N): every document has ceil(length / chunk) chunks, at most T // chunk + N in
+all), L = chunk.
+
+Batch representation (packed rows; it rides on the segment_ids and positions every mixer gets, so
+the Transformer passes it through unchanged):
+  segment_ids[b, t] == 0  padding.
+                    >  0  a document token. A document is one contiguous run of one id (ids unique
+                          within the row); documents are numbered 0, 1, ... in order of appearance
+                          (the "document index", which also breaks score ties: lower wins). An id
+                          with ANSWER_BIT (1 << 30) set marks a document holding the answer: a
+                          positive of the routing loss and of router recall.
+                    <  0  the query segment (at most one per row, one id for all its tokens):
+                          id = -(1 + a) where a = how many of its LAST tokens the router must not
+                          read (the answer, which must not steer the choice made for it); -1 = the
+                          router reads every query token.
+  positions: every document restarts at 0; the query starts at MSAConfig.query_offset (default
+  top_k, as the paper). Building them is the batch builder's job; `pack_row` builds one row.
+Other mixers only compare ids for equality and treat nonzero as real, so in a dense or NSA layer of
+the same model these rows are ordinary packed segments. A row without a negative id (plain corpus)
+has no query: an MSA layer then is causal attention within each segment, like "dense".
+
+The layer: q, k, v projections (GQA) with RoPE at the given (document-wise) positions; bias-free
+routing projections router_q [D,H,Dh] and router_k [D,K,Dh], rotated the same way. Per document,
+K, V and the routing key are mean-pooled per chunk of L tokens after RoPE (a last partial chunk
+averages only its real tokens). Routing score of a chunk: reduce over the router-read query tokens
+(query_reduce) of reduce over heads (head_reduce; query head h uses key head h // G) of
+cos(q_route, k_route_chunk); document score: reduce over its chunks (chunk_reduce); the top
+min(top_k, documents in the row) documents are selected (ties: lower document index wins). Scores
+are computed in float32.
+
+Attention (one flash_attention call, kernels/flash_attention): keys are [C pooled chunks ; T
+tokens], queries sit at q_offset = C (causal bound s <= t + C: every chunk slot and the tokens up to
+itself), and pairs of segment ids do the rest: a token key carries its segment id, a chunk key the
+row's query id when its document is selected in a routing layer, else an id no token has. So query
+tokens see [pooled chunks of the selected documents ; their own causal context] and document tokens
+see only their own document, causally. flash_attention rather than dense sdpa: the mask is exactly
+expressible (causal + offset + segment pairs), no [B,H,T,C+T] logits buffer is built, and the same
+call runs the Pallas kernels on GPU / TPU. The selection is integer-valued (not differentiable);
+gradients reach the pooled chunk K/V (so the documents' k/v projections learn from the query's
+loss), and the routing loss trains the router.
+
+Routing layers: by default the top half of the model's layers (MSAConfig.routing_layers lists them
+explicitly). A mixer does not know its layer index through the registry's interface, and with
+scan_layers every repeat of a block shares one module structure, so the choice is a per-layer
+non-parameter variable `routes` (RoutingFlag, int32 0/1; stacked [R] under scan) that masks the
+selection: `MSAttention(cfg, rngs=..., layer_index=i)` sets it; the Transformer, which constructs
+mixers without an index, calls the mixer's `after_build(model)` hook when it is built, and that sets
+every MSA layer's flag (`assign_routing_layers`). Non-routing layers: documents self-attend, the query sees only its
+own context.
+
+Auxiliary outputs (models/auxiliary.py), per MSA layer: loss "routing" = routing_loss_weight *
+routes * InfoNCE over document scores (each positive against the row's negatives, temperature a
+learned scalar clamped to [0.001, 0.5], exact log-sum-exp; mean over rows with a positive); metrics
+"recall@1", "recall@5" (fraction of a row's positives among its top 1 / 5 documents, mean over rows
+with a positive; reported by non-routing MSA layers too, whose router is then untrained).
+
+Not in this part: no cache. init_cache raises NotImplementedError (MSA decoding comes with the
+memory bank, issue 21 part 2); the training path (no cache) never calls it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from aiinfra_jax.kernels.flash_attention import AttentionMask, flash_attention
+
+from ..auxiliary import report_loss, report_metric
+from ..config import ModelConfig, check_implementation, runtime_field
+from ..layers import apply_rope, out_proj_std
+from ..registry import register_config, register_mixer
+from .dense import refuse_rows
+
+
+ANSWER_BIT = 1 << 30  # set in a document's segment id: the document holds the answer
+_HIDDEN = int(np.iinfo(np.int32).min)  # kv segment id of a chunk nobody sees (no token has it)
+HEAD_REDUCE = ("mean", "max")
+QUERY_REDUCE = ("max", "mean", "last")
+CHUNK_REDUCE = ("max", "mean")
+TEMPERATURE_RANGE = (0.001, 0.5)
+
+
+@register_config("msa")
+@dataclasses.dataclass(frozen=True)
+class MSAConfig:
+    """Memory Sparse Attention settings, used by layers whose mixer is "msa".
+
+    chunk: tokens per pooled chunk (L); top_k: documents each routing layer selects (capped at the
+    row's documents); routing_layers: layer indices (of the whole model) that route, None = the
+    MSA layers in the top half (i >= n_layers // 2); head_reduce / query_reduce / chunk_reduce: the
+    three reductions of the routing score (module docstring); query_offset: first position of the
+    query segment (None = top_k; used by batch builders, see pack_row); temperature: initial
+    InfoNCE temperature (a learned scalar, clamped to [0.001, 0.5] at use).
+    """
+
+    chunk: int = 64
+    top_k: int = 16
+    routing_layers: tuple[int, ...] | None = None
+    head_reduce: str = "mean"
+    query_reduce: str = "max"
+    chunk_reduce: str = "max"
+    query_offset: int | None = None
+    temperature: float = 0.1
+    routing_loss_weight: float = runtime_field(0.1)
+    # Document slots per row; a row with more documents is refused (its outputs are NaN).
+    max_documents: int = runtime_field(64)
+    implementation: str | None = runtime_field(None)  # flash_attention backend (None = best)
+    interpret: bool = runtime_field(False)  # Pallas kernels in interpret mode (CPU tests)
+
+    def __post_init__(self):
+        for name in ("chunk", "top_k", "max_documents"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"MSAConfig.{name}={v!r}: must be a positive int")
+        if isinstance(self.routing_layers, list):
+            object.__setattr__(self, "routing_layers", tuple(self.routing_layers))
+        rl = self.routing_layers
+        if rl is not None and (not isinstance(rl, tuple) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in rl)):
+            raise ValueError(f"MSAConfig.routing_layers={rl!r}: must be a tuple of layer indices "
+                             ">= 0, or None (= the MSA layers in the top half of the model)")
+        for name, choices in (("head_reduce", HEAD_REDUCE), ("query_reduce", QUERY_REDUCE),
+                              ("chunk_reduce", CHUNK_REDUCE)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"MSAConfig.{name}={getattr(self, name)!r}: valid choices: "
+                                 f"{choices}")
+        qo = self.query_offset
+        if qo is not None and (not isinstance(qo, int) or isinstance(qo, bool) or qo < 0):
+            raise ValueError(f"MSAConfig.query_offset={qo!r}: must be an int >= 0 or None "
+                             "(= top_k)")
+        lo, hi = TEMPERATURE_RANGE
+        t = self.temperature
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not lo <= t <= hi:
+            raise ValueError(f"MSAConfig.temperature={t!r}: must be in [{lo}, {hi}] (the clamp "
+                             "range of the learned InfoNCE temperature)")
+        w = self.routing_loss_weight
+        if not isinstance(w, (int, float)) or isinstance(w, bool) or not w >= 0:
+            raise ValueError(f"MSAConfig.routing_loss_weight={w!r}: must be a number >= 0")
+        check_implementation("MSAConfig", self.implementation)
+
+    @property
+    def resolved_query_offset(self) -> int:
+        return self.top_k if self.query_offset is None else self.query_offset
+
+    def check_model(self, cfg: ModelConfig) -> None:
+        """Checks against the model's layer pattern (called by ModelConfig's validation)."""
+        if self.routing_layers is None:
+            return
+        for i in self.routing_layers:
+            if i >= cfg.n_layers:
+                raise ValueError(f"ModelConfig.msa: routing_layers has layer {i}, but n_layers="
+                                 f"{cfg.n_layers}; list indices in [0, {cfg.n_layers})")
+            if cfg.mixers[i % len(cfg.mixers)] != "msa":
+                raise ValueError(f"ModelConfig.msa: routing_layers has layer {i}, whose mixer is "
+                                 f"{cfg.mixers[i % len(cfg.mixers)]!r}, not 'msa' "
+                                 f"(mixers={cfg.mixers})")
+
+
+def routing_layer_indices(cfg: ModelConfig) -> tuple[int, ...]:
+    """Indices of the layers that route: MSAConfig.routing_layers, or the MSA layers in the top
+    half of the model."""
+    if cfg.msa.routing_layers is not None:
+        return tuple(sorted(set(cfg.msa.routing_layers)))
+    return tuple(i for i in range(cfg.n_layers // 2, cfg.n_layers)
+                 if cfg.mixers[i % len(cfg.mixers)] == "msa")
+
+
+def pack_row(doc_lengths: Sequence[int], query_length: int, *, answer_docs: Sequence[int] = (),
+             answer_length: int = 0, query_offset: int = 16, row_length: int | None = None
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """(segment_ids [row_length], positions [row_length]) int32 numpy of one packed row: the
+    documents in order (document j has id j + 1, with ANSWER_BIT when j is in answer_docs;
+    positions from 0), then the query (id -(1 + answer_length): its last answer_length tokens are
+    not read by the router; positions from query_offset), then right padding (0, 0)."""
+    seg, pos = [], []
+    for j, n in enumerate(doc_lengths):
+        if n <= 0:
+            raise ValueError(f"pack_row: document {j} has length {n}; documents are non-empty")
+        seg += [(j + 1) | (ANSWER_BIT if j in answer_docs else 0)] * n
+        pos += list(range(n))
+    if not 0 <= answer_length <= query_length:
+        raise ValueError(f"pack_row: answer_length={answer_length} must be in [0, query_length="
+                         f"{query_length}]")
+    seg += [-(1 + answer_length)] * query_length
+    pos += list(range(query_offset, query_offset + query_length))
+    row_length = len(seg) if row_length is None else row_length
+    if len(seg) > row_length:
+        raise ValueError(f"pack_row: {len(seg)} tokens do not fit in row_length={row_length}")
+    pad = row_length - len(seg)
+    return np.asarray(seg + [0] * pad, np.int32), np.asarray(pos + [0] * pad, np.int32)
+
+
+# Layout, pooling, routing: pure functions -----------------------------------------------------
+
+def num_chunk_slots(seq: int, chunk: int, max_documents: int) -> int:
+    """C: chunk slots per row (every document has ceil(len / L) chunks: at most T // L + N)."""
+    return max(1, min(seq, seq // chunk + max_documents))
+
+
+def document_layout(segment_ids: jax.Array, chunk: int, max_documents: int) -> dict[str, Any]:
+    """Where every document token's chunk goes, from segment_ids [B,T] (module docstring).
+
+    Returns {"doc" [B,T]: document index (N for non-document tokens and documents past N),
+    "slot" [B,T]: chunk slot (C for non-document tokens), "n_docs" [B], "fits" [B] (n_docs <= N),
+    "count" [B,C]: real tokens per chunk slot, "chunk_doc" [B,C]: document of each slot (N if
+    empty), "positive" [B,N] bool, "n_slots": C}.
+    """
+    seg = segment_ids.astype(jnp.int32)
+    batch, seq = seg.shape
+    n, c_slots = max_documents, num_chunk_slots(seq, chunk, max_documents)
+    t = jnp.arange(seq, dtype=jnp.int32)
+    is_doc = seg > 0
+    prev = jnp.concatenate([jnp.zeros((batch, 1), jnp.int32), seg[:, :-1]], axis=1)
+    start = is_doc & (seg != prev)
+    n_docs = jnp.sum(start, axis=1, dtype=jnp.int32)
+    doc = jnp.where(is_doc, jnp.minimum(jnp.cumsum(start, axis=1, dtype=jnp.int32) - 1, n), n)
+    run_start = jax.lax.cummax(jnp.where(start, t, 0), axis=1)
+    in_doc_chunk = (t - run_start) // chunk
+    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, seq))
+    length = jnp.zeros((batch, n + 1), jnp.int32).at[rows, doc].add(1)[:, :n]
+    n_chunks = -(-length // chunk)
+    base = jnp.cumsum(n_chunks, axis=1) - n_chunks
+    slot = jnp.where(doc < n, jnp.take_along_axis(base, jnp.minimum(doc, n - 1), axis=1)
+                     + in_doc_chunk, c_slots)
+    slot = jnp.minimum(slot, c_slots)
+    count = jnp.zeros((batch, c_slots + 1), jnp.int32).at[rows, slot].add(1)[:, :c_slots]
+    chunk_doc = jnp.full((batch, c_slots + 1), n, jnp.int32).at[rows, slot].set(doc)[:, :c_slots]
+    first_id = jnp.zeros((batch, n + 1), jnp.int32).at[rows, jnp.where(start, doc, n)].set(seg)
+    positive = (first_id[:, :n] & ANSWER_BIT) != 0
+    return {"doc": doc, "slot": slot, "n_docs": n_docs, "fits": n_docs <= n, "count": count,
+            "chunk_doc": chunk_doc, "positive": positive, "n_slots": c_slots}
+
+
+def pool_chunks(x_bt: jax.Array, layout: dict[str, Any]) -> jax.Array:
+    """Mean of x [B,T,...] over the real tokens of each chunk slot -> [B,C,...] (float32 sums, x's
+    dtype out; empty slots 0)."""
+    batch, seq = x_bt.shape[:2]
+    c_slots = layout["n_slots"]
+    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, seq))
+    sums = jnp.zeros((batch, c_slots + 1) + x_bt.shape[2:], jnp.float32)
+    sums = sums.at[rows, layout["slot"]].add(x_bt.astype(jnp.float32))[:, :c_slots]
+    count = layout["count"].reshape(layout["count"].shape + (1,) * (x_bt.ndim - 2))
+    return (sums / jnp.maximum(count, 1)).astype(x_bt.dtype)
+
+
+def query_roles(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(query_id [B] (0 without a query), is_query [B,T], reads [B,T]: the query tokens the router
+    reads: all but the last a of the query segment with id -(1 + a))."""
+    seg = segment_ids.astype(jnp.int32)
+    is_query = seg < 0
+    query_id = jnp.min(jnp.where(is_query, seg, 0), axis=1)
+    rank = jnp.cumsum(is_query, axis=1, dtype=jnp.int32) - 1  # index within the query segment
+    n_query = jnp.sum(is_query, axis=1, dtype=jnp.int32)
+    n_read = n_query - (-1 - query_id)  # query length minus the answer
+    reads = is_query & (rank < n_read[:, None])
+    return query_id, is_query, reads
+
+
+def _l2_normalize(x: jax.Array) -> jax.Array:
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True), 1e-30))
+
+
+def document_scores(q_route: jax.Array, k_route_chunks: jax.Array, reads: jax.Array,
+                    layout: dict[str, Any], cfg: MSAConfig) -> jax.Array:
+    """Document scores [B,N] float32 (-inf for empty document slots and rows without router-read
+    query tokens) from rotated routing queries [B,T,H,Dh], pooled routing keys [B,C,K,Dh] and the
+    router-read query tokens reads [B,T] (module docstring for the three reductions)."""
+    batch, seq, heads, dh = q_route.shape
+    kv_heads = k_route_chunks.shape[2]
+    n = layout["positive"].shape[1]
+    q = _l2_normalize(q_route).reshape(batch, seq, kv_heads, heads // kv_heads, dh)
+    k = _l2_normalize(k_route_chunks)
+    cos = jnp.einsum("btkgd,bckd->btkgc", q, k).reshape(batch, seq, heads, -1)
+    s_btc = jnp.mean(cos, axis=2) if cfg.head_reduce == "mean" else jnp.max(cos, axis=2)
+    r = reads[:, :, None]
+    if cfg.query_reduce == "max":
+        s_bc = jnp.max(jnp.where(r, s_btc, -jnp.inf), axis=1)
+    elif cfg.query_reduce == "mean":
+        s_bc = (jnp.sum(jnp.where(r, s_btc, 0.0), axis=1)
+                / jnp.maximum(jnp.sum(reads, axis=1), 1)[:, None])
+    else:  # last router-read query token (padding-aware: the last real one, wherever it is)
+        last = jnp.max(jnp.where(reads, jnp.arange(seq), -1), axis=1)
+        s_bc = jnp.take_along_axis(s_btc, jnp.maximum(last, 0)[:, None, None], axis=1)[:, 0]
+    any_read = jnp.any(reads, axis=1)[:, None]
+    chunk_doc = jnp.where(layout["count"] > 0, layout["chunk_doc"], n)
+    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], chunk_doc.shape)
+    if cfg.chunk_reduce == "max":
+        doc = jnp.full((batch, n + 1), -jnp.inf, jnp.float32).at[rows, chunk_doc].max(s_bc)
+        doc = doc[:, :n]
+    else:
+        total = jnp.zeros((batch, n + 1), jnp.float32).at[rows, chunk_doc].add(s_bc)[:, :n]
+        chunks = jnp.zeros((batch, n + 1), jnp.int32).at[rows, chunk_doc].add(1)[:, :n]
+        doc = jnp.where(chunks > 0, total / jnp.maximum(chunks, 1), -jnp.inf)
+    valid = jnp.arange(n)[None, :] < layout["n_docs"][:, None]
+    return jnp.where(valid & any_read, doc, -jnp.inf)
+
+
+def document_ranks(scores_bn: jax.Array) -> jax.Array:
+    """Rank [B,N] int32 of every document slot by score, descending; ties: lower index first
+    (explicit pairwise count: deterministic on every backend, no sort)."""
+    s_i, s_j = scores_bn[:, :, None], scores_bn[:, None, :]
+    idx = jnp.arange(scores_bn.shape[1])
+    before = (s_j > s_i) | ((s_j == s_i) & (idx[None, None, :] < idx[None, :, None]))
+    return jnp.sum(before, axis=-1, dtype=jnp.int32)
+
+
+def select_documents(scores_bn: jax.Array, n_docs_b: jax.Array, top_k: int
+                     ) -> tuple[jax.Array, jax.Array]:
+    """(ranks [B,N], selected [B,N] bool): the top min(top_k, n_docs) real documents of each row
+    (none in a row whose scores are all -inf, i.e. without a router-read query)."""
+    ranks = document_ranks(scores_bn)
+    real = jnp.arange(scores_bn.shape[1])[None, :] < n_docs_b[:, None]
+    k = jnp.minimum(top_k, n_docs_b)[:, None]
+    return ranks, real & (ranks < k) & jnp.isfinite(scores_bn)
+
+
+def infonce(scores_bn: jax.Array, positive_bn: jax.Array, valid_bn: jax.Array,
+            temperature: jax.Array) -> jax.Array:
+    """Routing loss: mean over rows with a positive of the mean over its positives p of
+    -log(e^{l_p} / (e^{l_p} + sum_{negatives n} e^{l_n})), l = score / temperature; computed with
+    an exact log-sum-exp (no epsilon), zero-gradient on masked slots."""
+    valid = valid_bn & jnp.isfinite(scores_bn)
+    logits = jnp.where(valid, scores_bn, 0.0) / temperature
+    pos, neg = positive_bn & valid, valid & ~positive_bn
+    has_neg = jnp.any(neg, axis=1, keepdims=True)
+    top = jax.lax.stop_gradient(jnp.max(jnp.where(neg, logits, -jnp.inf), axis=1, keepdims=True))
+    top = jnp.where(has_neg, top, 0.0)
+    mass = jnp.sum(jnp.where(neg, jnp.exp(logits - top), 0.0), axis=1, keepdims=True)
+    lse_neg = jnp.log(jnp.where(has_neg, mass, 1.0)) + top
+    per_pos = jnp.where(has_neg, jnp.logaddexp(logits, lse_neg) - logits, 0.0)
+    n_pos = jnp.sum(pos, axis=1)
+    per_row = jnp.sum(jnp.where(pos, per_pos, 0.0), axis=1) / jnp.maximum(n_pos, 1)
+    rows = n_pos > 0
+    return jnp.sum(jnp.where(rows, per_row, 0.0)) / jnp.maximum(jnp.sum(rows), 1)
+
+
+def recall_at(ranks_bn: jax.Array, positive_bn: jax.Array, n_docs_b: jax.Array, k: int
+              ) -> jax.Array:
+    """Mean over rows with a positive of the fraction of its positives ranked < min(k, n_docs)."""
+    hit = positive_bn & (ranks_bn < jnp.minimum(k, n_docs_b)[:, None])
+    n_pos = jnp.sum(positive_bn, axis=1)
+    frac = jnp.sum(hit, axis=1) / jnp.maximum(n_pos, 1)
+    rows = n_pos > 0
+    return jnp.sum(jnp.where(rows, frac, 0.0)) / jnp.maximum(jnp.sum(rows), 1)
+
+
+# The module -------------------------------------------------------------------------------------
+
+class RoutingFlag(nnx.Variable):
+    """Non-parameter int32 0/1: whether this MSA layer routes (module docstring)."""
+
+
+@register_mixer("msa")
+class MSAttention(nnx.Module):
+    """MSA token mixer (module docstring). Parameters: wq [D,H,Dh], wk, wv [D,K,Dh], wo [H,Dh,D],
+    router_q [D,H,Dh], router_k [D,K,Dh], temperature [] (InfoNCE, clamped at use); state:
+    routes (RoutingFlag)."""
+
+    @classmethod
+    def after_build(cls, model: nnx.Module) -> None:
+        """The Transformer's hook (models/registry.py): sets the routing layers' flags."""
+        assign_routing_layers(model)
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer_index: int | None = None):
+        self.cfg = cfg
+        d, h, k, dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
+        std, pdt = cfg.init_std, cfg.param_dtype
+        # name: (shape, logical axes, init std), drawn from one normal sample (one random program
+        # to compile instead of six, as in nsa.py).
+        specs = {
+            "wq": ((d, h, dh), ("embed", "heads", "head_dim"), std),
+            "wk": ((d, k, dh), ("embed", "kv_heads", "head_dim"), std),
+            "wv": ((d, k, dh), ("embed", "kv_heads", "head_dim"), std),
+            "wo": ((h, dh, d), ("heads", "head_dim", "embed"), out_proj_std(cfg)),
+            "router_q": ((d, h, dh), ("embed", "heads", "head_dim"), std),
+            "router_k": ((d, k, dh), ("embed", "kv_heads", "head_dim"), std),
+        }
+        sizes = [math.prod(shape) for shape, _, _ in specs.values()]
+        flat = jax.random.normal(rngs.params(), (sum(sizes),), jnp.float32)
+        offsets = np.cumsum([0] + sizes)
+        for (name, (shape, axes, sd)), lo, hi in zip(specs.items(), offsets[:-1], offsets[1:]):
+            value = (flat[lo:hi].reshape(shape) * sd).astype(pdt)
+            setattr(self, name, nnx.Param(value, logical_axes=axes))
+        self.temperature = nnx.Param(jnp.asarray(cfg.msa.temperature, pdt), logical_axes=())
+        # Without an index (built by the Transformer) the flag is set by after_build.
+        routes = 1 if layer_index is None else int(layer_index in routing_layer_indices(cfg))
+        self.routes = RoutingFlag(jnp.asarray(routes, jnp.int32))
+
+    def _project(self, x_btd: jax.Array, positions_bt: jax.Array) -> dict[str, jax.Array]:
+        """q, q_route [B,T,H,Dh] and k, k_route, v [B,T,K,Dh] in the compute dtype; all but v
+        rotated at positions."""
+        dt = jnp.dtype(self.cfg.dtype)
+        x = x_btd.astype(dt)
+        out = {name: jnp.einsum("btd,dhk->bthk", x, getattr(self, w)[...].astype(dt))
+               for name, w in (("q", "wq"), ("k", "wk"), ("v", "wv"), ("q_route", "router_q"),
+                               ("k_route", "router_k"))}
+        for name in ("q", "k", "q_route", "k_route"):
+            out[name] = apply_rope(out[name], positions_bt, self.cfg.rope_theta)
+        return out
+
+    def __call__(self, x_btd: jax.Array, *, positions: jax.Array,
+                 segment_ids: jax.Array | None = None,
+                 cache: Any = None) -> tuple[jax.Array, None]:
+        if cache is not None:
+            raise NotImplementedError("MSAttention: cached prefill / decode is not implemented; "
+                                      "MSA decoding comes with the memory bank (issue 21, part 2)")
+        c = self.cfg.msa
+        dt = jnp.dtype(self.cfg.dtype)
+        p = self._project(x_btd, positions)
+        kernel = dict(implementation=c.implementation, interpret=c.interpret)
+        if segment_ids is None:  # one document, no query: causal attention
+            y = flash_attention(p["q"], p["k"], p["v"], mask=AttentionMask(causal=True), **kernel)
+        else:
+            y = self._routed(p, segment_ids.astype(jnp.int32), kernel)
+        out = jnp.einsum("bthk,hkd->btd", y.astype(dt), self.wo[...].astype(dt))
+        return out, None
+
+    def _routed(self, p: dict[str, jax.Array], seg: jax.Array, kernel: dict) -> jax.Array:
+        c = self.cfg.msa
+        batch = seg.shape[0]
+        layout = document_layout(seg, c.chunk, c.max_documents)
+        query_id, _, reads = query_roles(seg)
+        k_chunks, v_chunks, kr_chunks = (pool_chunks(p[n], layout)
+                                         for n in ("k", "v", "k_route"))
+        scores = document_scores(p["q_route"], kr_chunks, reads, layout, c)
+        ranks, selected = select_documents(scores, layout["n_docs"], c.top_k)
+        selected = selected & (self.routes[...] > 0)
+        n = c.max_documents
+        chunk_sel = jnp.take_along_axis(jnp.pad(selected, ((0, 0), (0, 1))), layout["chunk_doc"],
+                                        axis=1) & (layout["count"] > 0)
+        chunk_seg = jnp.where(chunk_sel, query_id[:, None], _HIDDEN)
+        k_all = jnp.concatenate([k_chunks, p["k"]], axis=1)
+        v_all = jnp.concatenate([v_chunks, p["v"]], axis=1)
+        kv_seg = jnp.concatenate([chunk_seg, seg], axis=1)
+        offset = jnp.full((batch,), layout["n_slots"], jnp.int32)
+        y = flash_attention(p["q"], k_all, v_all, mask=AttentionMask(causal=True),
+                            segment_ids=(seg, kv_seg), q_offset=offset, **kernel)
+
+        valid = jnp.arange(n)[None, :] < layout["n_docs"][:, None]
+        temperature = jnp.clip(self.temperature[...].astype(jnp.float32), *TEMPERATURE_RANGE)
+        loss = infonce(scores, layout["positive"], valid, temperature)
+        report_loss(self, "routing",
+                    c.routing_loss_weight * self.routes[...].astype(jnp.float32) * loss)
+        positive = layout["positive"] & valid & jnp.isfinite(scores)
+        for k in (1, 5):
+            report_metric(self, f"recall@{k}", recall_at(ranks, positive, layout["n_docs"], k))
+        return refuse_rows(y, layout["fits"])
+
+    def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> Any:
+        raise NotImplementedError("MSAttention.init_cache: MSA decoding comes with the memory "
+                                  "bank (issue 21, part 2); this part trains the mixer only")
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Projections (q, k, v, o and the two router projections), routing scores against every
+        chunk 2*H*Dh*seq_len/L, and 4*H*Dh per attended key: the causal context (as dense) plus
+        the selected documents' chunks (at most top_k documents of a seq_len-token row)."""
+        cfg, c = self.cfg, self.cfg.msa
+        dh, h, k = cfg.resolved_head_dim, cfg.n_heads, cfg.n_kv_heads
+        proj = 2.0 * cfg.d_model * dh * (3 * h + 3 * k)
+        chunks = seq_len / c.chunk
+        scoring = 2.0 * h * dh * chunks
+        attn = 4.0 * h * dh * ((seq_len + 1) / 2.0 + min(chunks + c.top_k, seq_len))
+        return proj + scoring + attn
+
+
+def assign_routing_layers(model: nnx.Module) -> None:
+    """Sets every MSA layer's `routes` flag of a built Transformer from routing_layer_indices
+    (layer i = r * P + p). The Transformer builds mixers without their index; call this once after
+    building (or loading) a model."""
+    cfg = model.cfg
+    routes = set(routing_layer_indices(cfg))
+    size = cfg.block_size
+    blocks = [model.blocks] if cfg.scan_layers else list(model.blocks)
+    for r_block, block in enumerate(blocks):
+        for p, layer in enumerate(block.layers):
+            if not isinstance(layer.mixer, MSAttention):
+                continue
+            if cfg.scan_layers:
+                flags = [int(r * size + p in routes) for r in range(cfg.n_repeats)]
+            else:
+                flags = int(r_block * size + p in routes)
+            layer.mixer.routes[...] = jnp.asarray(flags, jnp.int32)
