@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 CONFIG ?= configs/nsa_tiny.py
 ARGS   ?=
 
-.PHONY: train test install install-dev bench-train bench-kernels bench-nsa bench-attnres profile-step clean-venv
+.PHONY: train test install install-dev bench-train bench-kernels bench-nsa bench-attnres bench-moe profile-step clean-venv
 
 $(VENV)/.stamp-base: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,12 @@ bench-nsa: $(VENV)/.stamp-base
 
 bench-attnres: $(VENV)/.stamp-base
 	$(PY) -m aiinfra_jax.eval.bench_attnres $(ARGS)
+
+# Expert-weight bytes per decode step, MoE vs DeaMoE, from routing traces of two runs (or presets).
+MOE_RUN ?= runs/moe_tiny
+DEAMOE_RUN ?= runs/deamoe_tiny
+bench-moe: $(VENV)/.stamp-base
+	$(PY) -m aiinfra_jax.eval.bench_moe --moe $(MOE_RUN) --deamoe $(DEAMOE_RUN) $(ARGS)
 
 profile-step: $(VENV)/.stamp-base
 	$(PY) -m aiinfra_jax.eval.profile_step --config $(CONFIG) $(ARGS)

@@ -1,6 +1,6 @@
 """Flax NNX models (import: aiinfra_jax.models): config, registries, layers, the Transformer."""
 
-from . import attention, attnres, layers, moe, residual  # noqa: F401  (register the built-ins)
+from . import attention, attnres, deamoe, layers, moe, residual  # noqa: F401  (register built-ins)
 from .attention.dense import DenseConfig
 from .attention.nsa import NSAConfig
 from .attnres import AttnResConfig

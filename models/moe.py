@@ -68,9 +68,33 @@ step) and checkpoints it; evaluation and generation (no rngs) read it and never 
 optim.grad_accum = A it moves once per micro-batch (A times per optimizer step).
 
 Parallelism: expert weights carry the logical axis "expert" (aiinfra_jax/sharding.py maps it to
-the mesh's "expert" axis), "embed" and "mlp". The dispatch sorts the assignments of the whole call;
-under a data-parallel mesh XLA partitions that sort and gather by itself (correct, not
-communication-optimal); expert parallelism with an all-to-all inside shard_map is future work.
+the mesh's "expert" axis), "embed" and "mlp". Without an "expert" mesh axis > 1 the dispatch above
+sorts the assignments of the whole call, and under a data-parallel mesh XLA partitions that sort
+and gather by itself (correct, not communication-optimal).
+
+Expert parallelism (`expert_parallel`), when the mesh in context (`jax.sharding.
+get_abstract_mesh()`, set by the trainer's `with_activation_rules`) has an "expert" axis of size
+P > 1, which must divide E: the router, the losses, the metrics and the bias stay outside, on the
+whole call (XLA partitions them); the routed experts run inside a `jax.shard_map` over every
+non-manual mesh axis. Tokens are split over all of them (data, fsdp, expert, context, tensor: the
+FFN is position-wise, so no device repeats another's work; the token count is padded with
+unrouted padding tokens to a multiple of their product when it is not one), each device holds
+E/P whole experts (its weights gathered over fsdp and tensor by the shard_map's input sharding).
+On a device with n local tokens, each destination q along "expert" gets a buffer of
+C = n * min(K, E/P) rows: a token's K experts are distinct, so at most min(K, E/P) of its
+assignments live on one device, and no assignment can ever overflow its buffer (dropless by
+construction, no capacity factor). The assignments, sorted by expert, are scattered into the
+[P*C, D] send buffer (with their local expert ids in a [P*C] int buffer; empty rows labelled "no
+expert"), one `all_to_all` over "expert" exchanges both, the receiver sorts its P*C rows by local
+expert and runs the same three grouped matmuls (empty rows lie past the groups: their outputs
+are zero; "blocked" still multiplies their blocks, so its cost follows the buffer, not the real
+rows), a second `all_to_all` returns the outputs to the senders, who gather and combine them with
+the routing weights. "dropped" is then measured from the group sizes the devices' grouped
+matmuls ran with (summed over the token axes), not assumed.
+Cost: two all-to-alls of P*C*D activations per layer forward (and two backward), a buffer up to
+P*min(K, E/P)/K times the assignments (the price of a fixed, static, never-dropping size; a ragged
+all-to-all with exchanged counts would send only the real rows and is the next step where
+`jax.lax.ragged_all_to_all` runs).
 """
 
 from __future__ import annotations
@@ -81,10 +105,12 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from .auxiliary import record, report_loss, report_metric
 from .config import ModelConfig, runtime_field
 from .layers import SwiGLU, make_param, out_proj_std
+from .partitioning import mesh_axis_sizes
 from .registry import register_config, register_ffn
 
 ROUTERS = ("softmax", "sigmoid")
@@ -212,6 +238,76 @@ def routing_distribution(logits_ne: jax.Array, router: str) -> jax.Array:
     return s / jnp.maximum(s.sum(-1, keepdims=True), 1e-20)
 
 
+def route_tokens(x_nd: jax.Array, w_router_de: jax.Array, bias_e: jax.Array | None,
+                 real_n: jax.Array, *, router: str, top_k: int, n_groups: int, topk_groups: int,
+                 normalize_topk: bool, routed_scaling: float, jitter: float = 0.0,
+                 noise: float = 0.0, rngs: nnx.Rngs | None = None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The router (float32) of the module docstring: (logits [N,E], expert ids [N,K] int32,
+    weights [N,K] float32, 0 for padding tokens). Jitter and noise are drawn from rngs.router()
+    (training only: rngs given)."""
+    xr = x_nd.astype(jnp.float32)
+    if rngs is not None and jitter > 0:
+        xr = xr * jax.random.uniform(rngs.router(), xr.shape, jnp.float32, 1.0 - jitter,
+                                     1.0 + jitter)
+    logits = xr @ w_router_de.astype(jnp.float32)  # [N,E]
+    if rngs is not None and noise > 0:
+        logits = logits + noise * jax.random.normal(rngs.router(), logits.shape)
+    scores = jax.nn.softmax(logits, axis=-1) if router == "softmax" else jax.nn.sigmoid(logits)
+    bias = None if bias_e is None else jax.lax.stop_gradient(bias_e)
+    ids_nk = route(jax.lax.stop_gradient(scores), bias, top_k, n_groups, topk_groups)
+    weights_nk = jnp.take_along_axis(scores, ids_nk, axis=1)
+    if normalize_topk:
+        weights_nk = weights_nk / jnp.maximum(weights_nk.sum(-1, keepdims=True), 1e-20)
+    weights_nk = weights_nk * routed_scaling * real_n.astype(jnp.float32)[:, None]
+    return logits, ids_nk, weights_nk
+
+
+def report_routing(module: nnx.Module, logits_ne: jax.Array, counts_e: jax.Array,
+                   real_n: jax.Array, *, router: str, top_k: int, load_balance_weight: float,
+                   z_loss_weight: float, processed_e: jax.Array | None = None) -> None:
+    """The aux losses and metrics of the module docstring, over the real tokens (real_n [N]
+    float32). counts_e [E]: real assignments routed to each expert; processed_e [E]: those the
+    grouped matmuls ran (default counts_e), from which "dropped" is measured."""
+    e = logits_ne.shape[-1]
+    n_real = jnp.maximum(real_n.sum(), 1.0)
+    assigned = n_real * top_k
+    f_e = counts_e.astype(jnp.float32) / assigned  # no gradient (integer counts)
+    probs = routing_distribution(logits_ne, router)
+    p_e = jnp.einsum("ne,n->e", probs, real_n) / n_real
+    balance = e * jnp.sum(f_e * p_e)
+    z = jnp.sum(jnp.square(jax.nn.logsumexp(logits_ne, axis=-1)) * real_n) / n_real
+    if load_balance_weight > 0:
+        report_loss(module, "balance_loss", load_balance_weight * balance)
+    if z_loss_weight > 0:
+        report_loss(module, "z_loss", z_loss_weight * z)
+    sg = jax.lax.stop_gradient
+    entropy = -jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-20)), axis=-1)
+    report_metric(module, "balance", sg(balance))
+    report_metric(module, "router_z", sg(z))
+    report_metric(module, "load_max", jnp.max(f_e) * e)
+    wanted = jnp.sum(real_n) * top_k  # real assignments routed
+    processed = counts_e if processed_e is None else processed_e
+    report_metric(module, "dropped", (wanted - processed.sum()) / jnp.maximum(wanted, 1.0))
+    report_metric(module, "router_entropy", sg(jnp.sum(entropy * real_n) / n_real))
+
+
+def move_bias(bias: RoutingBias, counts_e: jax.Array, rate: float) -> None:
+    """The aux-loss-free update, in place: bias_i += rate * sign(mean load - load_i)."""
+    load = counts_e.astype(jnp.float32)
+    bias[...] = bias[...] + rate * jnp.sign(load.mean() - load)
+
+
+def sort_by_group(group_m: jax.Array, n_groups: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(order [M], counts [n_groups] int32, inverse [M]) for rows labelled group_m in
+    [0, n_groups]: order sorts them by group (stable), label n_groups (rows in no group) last;
+    counts leaves those out; x[order][inverse] == x."""
+    order = jnp.argsort(group_m, stable=True)
+    counts = jnp.zeros((n_groups + 1,), jnp.int32).at[group_m].add(1)[:n_groups]
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(group_m.shape[0], dtype=order.dtype))
+    return order, counts, inverse
+
+
 # ----------------------------------------------------------------------------- grouped matmul
 
 
@@ -254,6 +350,113 @@ def grouped_matmul(x_md: jax.Array, w_edf: jax.Array, group_sizes_e: jax.Array,
     return jnp.take(y_pad, dest, axis=0, mode="fill", fill_value=0)
 
 
+def swiglu_experts(x_md: jax.Array, w_gate_edf: jax.Array, w_up_edf: jax.Array,
+                   w_down_efd: jax.Array, group_sizes_e: jax.Array,
+                   implementation: str | None = None, block: int = 128) -> jax.Array:
+    """y [M,D]: rows of group e through expert e's SwiGLU (three grouped matmuls); rows past
+    sum(group_sizes) are zero."""
+    gmm = lambda a, w: grouped_matmul(a, w, group_sizes_e, implementation, block)  # noqa: E731
+    h_mf = jax.nn.silu(gmm(x_md, w_gate_edf)) * gmm(x_md, w_up_edf)
+    return gmm(h_mf, w_down_efd)
+
+
+# ----------------------------------------------------------------------------- expert parallelism
+
+EXPERT_AXIS = "expert"
+# The mesh axes the tokens of an expert-parallel call are split over, in mesh order: every axis
+# (the FFN is position-wise), so no device repeats another's work.
+TOKEN_AXES = ("data", "fsdp", "expert", "context", "tensor")
+
+
+def expert_parallel_mesh(num_experts: int):
+    """The context mesh (abstract) when its "expert" axis is > 1 and not manual, else None. Raises
+    ValueError when that axis does not divide num_experts."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or getattr(mesh, "empty", False) or not mesh.axis_names:
+        return None
+    size = mesh_axis_sizes(mesh).get(EXPERT_AXIS, 1)
+    if size <= 1:
+        return None
+    if num_experts % size:
+        raise ValueError(f"MoEConfig.num_experts={num_experts}: expert parallelism needs a "
+                         f"multiple of the mesh's {EXPERT_AXIS!r} axis ({size}); change "
+                         f"model.moe.num_experts or mesh.expert")
+    return mesh
+
+
+def _shard_map(fn, mesh, in_specs, out_specs):
+    axis_names = frozenset(mesh_axis_sizes(mesh))
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                             axis_names=axis_names)
+    from jax.experimental.shard_map import shard_map  # pragma: no cover - JAX < 0.7
+    return shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                     auto=frozenset(mesh.axis_names) - axis_names)
+
+
+def expert_parallel(x_nd: jax.Array, expert_nk: jax.Array, weights_nk: jax.Array,
+                    w_gate_edf: jax.Array, w_up_edf: jax.Array, w_down_efd: jax.Array, *, mesh,
+                    implementation: str | None = None, block: int = 128
+                    ) -> tuple[jax.Array, jax.Array]:
+    """The routed experts with experts split over the mesh's "expert" axis (module docstring,
+    "Expert parallelism"): (y [N,D] = sum_k weights[n,k] * expert_{expert[n,k]}(x[n]),
+    processed [E] int32, the assignments each expert's grouped matmuls ran).
+
+    expert_nk [N,K] int32: a token's K distinct experts, E (no expert) for padding tokens' slots.
+    Runs inside a shard_map over every non-manual axis of `mesh`; tokens split over all of them
+    (padded with unrouted tokens to a multiple of their product), experts over "expert" only.
+    """
+    sizes = mesh_axis_sizes(mesh)
+    axes = tuple(a for a in TOKEN_AXES if sizes.get(a, 1) > 1)
+    others = tuple(a for a in axes if a != EXPERT_AXIS)  # token axes that hold the same experts
+    split = math.prod(sizes[a] for a in axes)
+    n, d = x_nd.shape
+    k = expert_nk.shape[1]
+    e = w_gate_edf.shape[0]
+    pad = -n % split
+    if pad:  # whole shards: the extra tokens are padding, never sent anywhere
+        x_nd = jnp.pad(x_nd, ((0, pad), (0, 0)))
+        expert_nk = jnp.pad(expert_nk, ((0, pad), (0, 0)), constant_values=e)
+        weights_nk = jnp.pad(weights_nk, ((0, pad), (0, 0)))
+    p_ex = sizes[EXPERT_AXIS]
+    tokens = P(axes, None)
+    experts = P(EXPERT_AXIS, None, None)
+
+    def body(x, ids, w, wg, wu, wd):
+        n_loc = x.shape[0]
+        e_loc = wg.shape[0]
+        # Per (source, destination) pair a buffer of `cap` rows: a token's K experts are distinct,
+        # so at most min(K, e_loc) of them live on one device -- no assignment can overflow it.
+        cap = n_loc * min(k, e_loc)
+        expert_m = ids.reshape(-1)
+        order, _, inverse = sort_by_group(expert_m, e)  # by expert, hence by destination
+        dest_s = expert_m[order] // e_loc  # p_ex for padding
+        sent = jnp.zeros((p_ex + 1,), jnp.int32).at[dest_s].add(1)[:p_ex]
+        first = jnp.cumsum(sent) - sent
+        rank = jnp.arange(n_loc * k, dtype=jnp.int32) - first[jnp.minimum(dest_s, p_ex - 1)]
+        slot_s = jnp.where(dest_s < p_ex, dest_s * cap + rank, p_ex * cap)  # padding: nowhere
+        x_send = jnp.zeros((p_ex * cap, x.shape[1]), x.dtype).at[slot_s].set(
+            jnp.take(x, order // k, axis=0), mode="drop")
+        e_send = jnp.full((p_ex * cap,), e_loc, jnp.int32).at[slot_s].set(
+            expert_m[order] % e_loc, mode="drop")
+        a2a = lambda v: jax.lax.all_to_all(v, EXPERT_AXIS, 0, 0, tiled=True)  # noqa: E731
+        x_recv, e_recv = a2a(x_send), a2a(e_send)  # [p_ex * cap, ...]: source q's rows at q*cap
+        order2, counts, inverse2 = sort_by_group(e_recv, e_loc)  # empty slots past the groups
+        y_sorted = swiglu_experts(jnp.take(x_recv, order2, axis=0), wg, wu, wd, counts,
+                                  implementation, block)
+        y_back = a2a(jnp.take(y_sorted, inverse2, axis=0))  # my assignments' rows, at slot_s
+        y_s = jnp.take(y_back, slot_s, axis=0, mode="fill", fill_value=0)
+        y_nkd = jnp.take(y_s, inverse, axis=0).reshape(n_loc, k, -1)
+        y = jnp.einsum("nkd,nk->nd", y_nkd, w.astype(x.dtype),
+                       preferred_element_type=jnp.float32).astype(x.dtype)
+        return y, (jax.lax.psum(counts, others) if others else counts)
+
+    y, processed = _shard_map(body, mesh, (tokens, tokens, tokens, experts, experts, experts),
+                              (tokens, P(EXPERT_AXIS)))(x_nd, expert_nk, weights_nk, w_gate_edf,
+                                                        w_up_edf, w_down_efd)
+    return y[:n], processed
+
+
 # ----------------------------------------------------------------------------- the FFN
 
 
@@ -287,70 +490,43 @@ class MoE(nnx.Module):
         real_n = (jnp.ones((n,), bool) if segment_ids is None
                   else segment_ids.reshape(n) != 0)
         real_f = real_n.astype(jnp.float32)
-        n_real = jnp.maximum(real_f.sum(), 1.0)
-
-        # Router (float32).
-        xr = x_nd.astype(jnp.float32)
-        if rngs is not None and c.router_jitter > 0:
-            xr = xr * jax.random.uniform(rngs.router(), xr.shape, jnp.float32,
-                                         1.0 - c.router_jitter, 1.0 + c.router_jitter)
-        logits = xr @ self.w_router[...].astype(jnp.float32)  # [N,E]
-        if rngs is not None and c.router_noise > 0:
-            logits = logits + c.router_noise * jax.random.normal(rngs.router(), logits.shape)
-        scores = (jax.nn.softmax(logits, axis=-1) if c.router == "softmax"
-                  else jax.nn.sigmoid(logits))
-        bias = None if self.bias is None else jax.lax.stop_gradient(self.bias[...])
-        ids_nk = route(jax.lax.stop_gradient(scores), bias, k, c.n_groups, c.topk_groups)
-        weights_nk = jnp.take_along_axis(scores, ids_nk, axis=1)
-        if c.normalize_topk:
-            weights_nk = weights_nk / jnp.maximum(weights_nk.sum(-1, keepdims=True), 1e-20)
-        weights_nk = weights_nk * c.routed_scaling * real_f[:, None]
-
-        # Dropless dispatch: sort the real assignments by expert, padding's after them all.
+        logits, ids_nk, weights_nk = route_tokens(
+            x_nd, self.w_router[...], None if self.bias is None else self.bias[...], real_n,
+            router=c.router, top_k=k, n_groups=c.n_groups, topk_groups=c.topk_groups,
+            normalize_topk=c.normalize_topk, routed_scaling=c.routed_scaling,
+            jitter=c.router_jitter, noise=c.router_noise, rngs=rngs)
+        # Real assignments' experts; padding tokens' assignments get the label e (no expert).
         expert_m = jnp.where(jnp.repeat(real_n, k), ids_nk.reshape(-1), e)
-        order_m = jnp.argsort(expert_m, stable=True)
         counts = jnp.zeros((e + 1,), jnp.int32).at[expert_m].add(1)[:e]  # real assignments
-        x_md = jnp.take(x_nd, order_m // k, axis=0)
-        gmm = lambda a, w: grouped_matmul(a, w[...].astype(dt), counts,  # noqa: E731
-                                          c.grouped_matmul, c.gmm_block)
-        h_mf = jax.nn.silu(gmm(x_md, self.w_gate)) * gmm(x_md, self.w_up)
-        y_md = gmm(h_mf, self.w_down)
-        inverse_m = jnp.zeros_like(order_m).at[order_m].set(jnp.arange(n * k, dtype=order_m.dtype))
-        y_nkd = jnp.take(y_md, inverse_m, axis=0).reshape(n, k, d)
-        y_nd = jnp.einsum("nkd,nk->nd", y_nkd, weights_nk.astype(dt),
-                          preferred_element_type=jnp.float32).astype(dt)
+        weights = [w[...].astype(dt) for w in (self.w_gate, self.w_up, self.w_down)]
+        mesh = expert_parallel_mesh(e)
+        if mesh is None:
+            y_nd, processed = self._dispatch(x_nd, expert_m, weights_nk, weights, counts), None
+        else:
+            y_nd, processed = expert_parallel(
+                x_nd, expert_m.reshape(n, k), weights_nk, *weights, mesh=mesh,
+                implementation=c.grouped_matmul, block=c.gmm_block)
         if self.shared is not None:
             y_nd = y_nd + self.shared(x_nd[None])[0]
 
-        self._report(logits, counts, real_f, n_real)
+        report_routing(self, logits, counts, real_f, router=c.router, top_k=k,
+                       load_balance_weight=c.load_balance_weight, z_loss_weight=c.z_loss_weight,
+                       processed_e=processed)
         record(self, "expert_ids", ids_nk.reshape(b, t, k))
         if self.bias is not None and rngs is not None and c.bias_update_rate > 0:
-            load = counts.astype(jnp.float32)
-            self.bias[...] = self.bias[...] + c.bias_update_rate * jnp.sign(load.mean() - load)
+            move_bias(self.bias, counts, c.bias_update_rate)
         return y_nd.reshape(b, t, d)
 
-    def _report(self, logits_ne, counts_e, real_n, n_real) -> None:
-        """Aux losses and metrics over the real tokens (see the module docstring)."""
+    def _dispatch(self, x_nd, expert_m, weights_nk, weights, counts) -> jax.Array:
+        """Single-program dropless dispatch (module docstring): y [N,D]."""
         c = self.cfg.moe
-        e = c.num_experts
-        assigned = n_real * c.top_k
-        f_e = counts_e.astype(jnp.float32) / assigned  # no gradient (integer counts)
-        probs = routing_distribution(logits_ne, c.router)
-        p_e = jnp.einsum("ne,n->e", probs, real_n) / n_real
-        balance = e * jnp.sum(f_e * p_e)
-        z = jnp.sum(jnp.square(jax.nn.logsumexp(logits_ne, axis=-1)) * real_n) / n_real
-        if c.load_balance_weight > 0:
-            report_loss(self, "balance_loss", c.load_balance_weight * balance)
-        if c.z_loss_weight > 0:
-            report_loss(self, "z_loss", c.z_loss_weight * z)
-        sg = jax.lax.stop_gradient
-        entropy = -jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-20)), axis=-1)
-        report_metric(self, "balance", sg(balance))
-        report_metric(self, "router_z", sg(z))
-        report_metric(self, "load_max", jnp.max(f_e) * e)
-        wanted = jnp.sum(real_n) * c.top_k  # real assignments routed
-        report_metric(self, "dropped", (wanted - counts_e.sum()) / jnp.maximum(wanted, 1.0))
-        report_metric(self, "router_entropy", sg(jnp.sum(entropy * real_n) / n_real))
+        n, d = x_nd.shape
+        order_m, _, inverse_m = sort_by_group(expert_m, c.num_experts)
+        x_md = jnp.take(x_nd, order_m // c.top_k, axis=0)
+        y_md = swiglu_experts(x_md, *weights, counts, c.grouped_matmul, c.gmm_block)
+        y_nkd = jnp.take(y_md, inverse_m, axis=0).reshape(n, c.top_k, d)
+        return jnp.einsum("nkd,nk->nd", y_nkd, weights_nk.astype(x_nd.dtype),
+                          preferred_element_type=jnp.float32).astype(x_nd.dtype)
 
     def flops_per_token(self) -> float:
         """Active forward FLOPs: router, the top_k routed SwiGLU experts and the shared experts."""

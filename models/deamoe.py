@@ -1,0 +1,286 @@
+"""DeaMoE FFN ("deamoe" entry of model.ffns): mixture-of-experts grouped into departments that
+share most of their weights, each expert keeping a small private part (arXiv 2608.14385, whose
+equations are not public: every choice below is inferred from the issue's description, and the
+uncertain ones are config).
+
+Shape letters: B batch, T tokens, N = B*T tokens flattened, D d_model, E experts, G departments
+(E/G experts each), K top_k, L = min(K, department_limit) (department slots per token),
+R = N*L (token, department) pairs, M = N*K (token, expert) assignments, F department_d_ff.
+
+Weights: department g has a SwiGLU's three projections, gate and up [G,D,F] and down [G,F,D];
+expert e (of department g(e) = e // (E/G)) has one private square matrix P_e [E,F,F],
+initialised to the identity (so at initialisation every expert of a department is that
+department's SwiGLU). The router is one [D,E] matrix over all experts.
+
+Expert e's output on a token x (private_placement):
+  "hidden" (default): z_e = (silu(x Wg_g) * (x Wu_g)) P_e; the SiLU (of the GLU) sits between the
+           shared gate/up and the private matrix, as the issue says ("a SiLU between shared and
+           private parts"). Then y_e = z_e Wd_g.
+  "gate":  z_e = silu((x Wg_g) P_e) * (x Wu_g): the private matrix turns the gate's
+           pre-activation, the SiLU after it. Then y_e = z_e Wd_g.
+Both reduce to the department's SwiGLU when P_e = I. The FFN's output is
+y = sum_k w_k y_{e_k} = sum_g (sum_{k: g(e_k)=g} w_k z_{e_k}) Wd_g: by linearity the shared down
+projection runs once per (token, department), on the weighted sum of that department's private
+outputs, never once per expert.
+
+Routing (models/moe.py's router, reused): logits = x W_router [N,E] in float32, scores softmax or
+sigmoid (+ the aux-loss-free bias to choose, sigmoid only), then two levels: departments are
+ranked by the sum of their two best biased scores (their one best with one expert per department:
+DeepSeek-V3's group score, reused as is) and only the experts of a token's department_limit best
+departments stay; the top-K of those are its experts. The limit is "soft": it caps the departments
+a token may use (distinct departments per token <= department_limit, never more) without forcing
+it to use that many (a token whose K best experts share a department uses one), and it needs no
+extra loss. department_limit None = no limit (G). Weights: the chosen scores, divided by their sum
+when normalize_topk, times routed_scaling; padding tokens (segment id 0) get weight 0, no compute.
+
+Three-stage grouped matmul (no [N,E] or [N,E,F] buffer; the router's [N,E] logits aside):
+  1. per department: a token's distinct departments (at most L) fill its L pair slots (empty slots
+     and padding tokens are labelled "no department"); the R pairs, sorted by department, run
+     through gate and up ([G,D,F], grouped by the per-department pair counts) -> [R,F] per pair
+     ("hidden": the GLU h; "gate": the gate's and up's pre-activations).
+  2. per expert: the M assignments, sorted by expert, gather their pair's row and run through
+     P_e ([E,F,F], grouped by the per-expert counts) (+ the SiLU and the up product for "gate"),
+     are scaled by their routing weight and scatter-added into their pair's row -> [R,F].
+  3. per department again: the R pair rows, in stage 1's order, run through down ([G,F,D]) ->
+     [R,D], summed over each token's L slots -> y [N,D].
+The grouped matmul is models/moe.py's (`grouped_matmul`: "ragged_dot" off CPU, "blocked" on CPU).
+Active FLOPs per token: router 2*D*E, at most L * (4*D*F + 2*F*D) shared, K * 2*F*F private.
+
+Inferred choices (say which one a run used; all but the first three are config):
+  * each department's shared part is a full SwiGLU (gate, up, down), the private part only the
+    square matrix; no per-expert biases, no shared (always-on) experts;
+  * the private matrices are identity-initialised exactly (no noise added);
+  * the department score is DeepSeek-V3's sum of the two best biased expert scores;
+  * private_placement "hidden" (after the GLU) by default, "gate" the alternative;
+  * department_limit 2 by default (top_k 4 of 16 experts in 4 departments);
+  * department_d_ff None = ModelConfig.resolved_d_ff // department_limit, so the shared part's
+    FLOPs at the limit equal the dense SwiGLU's (the private matrices come on top).
+
+Auxiliary outputs (models/auxiliary.py), per layer: models/moe.py's losses ("balance_loss",
+"z_loss") and metrics ("balance", "router_z", "load_max", "dropped", "router_entropy") over
+experts ("dropped": real assignments whose (token, department) pair did not get a slot, measured
+from the slots; 0 by construction), plus the metric "departments" (mean over real tokens of the
+distinct departments a token uses, <= department_limit) and the record "expert_ids" [B,T,K]
+(routing traces). The
+sigmoid router's balancing bias moves as in models/moe.py (training calls only).
+
+Parallelism: department weights carry the logical axis "expert" on their department dimension
+and the private matrices on their expert dimension (split over the mesh's "expert" axis where it
+divides them, replicated otherwise); XLA partitions the dispatch. Expert parallelism with an
+all-to-all (models/moe.py's `expert_parallel`) is not wired in for DeaMoE yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .auxiliary import record, report_metric
+from .config import ModelConfig, runtime_field
+from .layers import make_param, out_proj_std
+from .moe import (GROUPED_MATMULS, ROUTERS, RoutingBias, grouped_matmul, move_bias,
+                  report_routing, route_tokens, sort_by_group)
+from .registry import register_config, register_ffn
+
+PLACEMENTS = ("hidden", "gate")
+
+
+@register_config("deamoe")
+@dataclasses.dataclass(frozen=True)
+class DeaMoEConfig:
+    """DeaMoE settings, used by layers whose FFN is "deamoe" (see the module docstring)."""
+
+    num_experts: int = 16
+    num_departments: int = 4  # must divide num_experts
+    top_k: int = 4
+    department_limit: int | None = 2  # distinct departments per token at most; None = no limit
+    department_d_ff: int | None = None  # None = ModelConfig.resolved_d_ff // department_limit
+    private_placement: str = "hidden"  # "hidden" (after the GLU) | "gate" (before the SiLU)
+    router: str = "softmax"  # "softmax" | "sigmoid" (DeepSeek-V3 scores with a balancing bias)
+    routed_scaling: float = 1.0
+    normalize_topk: bool = True
+    # How the model trains and runs, not what it computes: may change on resume (--set).
+    bias_update_rate: float = runtime_field(1e-3)
+    load_balance_weight: float = runtime_field(1e-2)
+    z_loss_weight: float = runtime_field(1e-3)
+    router_jitter: float = runtime_field(0.0)
+    router_noise: float = runtime_field(0.0)
+    grouped_matmul: str | None = runtime_field(None)  # as MoEConfig.grouped_matmul
+    gmm_block: int = runtime_field(128)
+
+    def __post_init__(self):
+        for name in ("num_experts", "num_departments", "top_k", "gmm_block"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"DeaMoEConfig.{name}={v!r}: must be a positive int")
+        for name in ("department_limit", "department_d_ff"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                raise ValueError(f"DeaMoEConfig.{name}={v!r}: must be a positive int or None")
+        if self.num_experts % self.num_departments:
+            raise ValueError(f"DeaMoEConfig.num_departments={self.num_departments}: must divide "
+                             f"num_experts={self.num_experts}")
+        if self.department_limit is not None and self.department_limit > self.num_departments:
+            raise ValueError(f"DeaMoEConfig.department_limit={self.department_limit}: must be <= "
+                             f"num_departments={self.num_departments} (or None: no limit)")
+        reachable = self.limit * (self.num_experts // self.num_departments)
+        if self.top_k > reachable:
+            raise ValueError(f"DeaMoEConfig.top_k={self.top_k}: exceeds the {reachable} experts of "
+                             f"a token's department_limit={self.limit} departments; lower top_k "
+                             "or raise department_limit")
+        if self.private_placement not in PLACEMENTS:
+            raise ValueError(f"DeaMoEConfig.private_placement={self.private_placement!r}: valid "
+                             f"choices: {PLACEMENTS}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"DeaMoEConfig.router={self.router!r}: valid choices: {ROUTERS}")
+        if self.grouped_matmul not in GROUPED_MATMULS:
+            raise ValueError(f"DeaMoEConfig.grouped_matmul={self.grouped_matmul!r}: valid "
+                             f"choices: {GROUPED_MATMULS}")
+        for name in ("routed_scaling", "bias_update_rate", "load_balance_weight", "z_loss_weight",
+                     "router_jitter", "router_noise"):
+            v = getattr(self, name)
+            if (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)
+                    or v < 0):
+                raise ValueError(f"DeaMoEConfig.{name}={v!r}: must be a finite number >= 0")
+        if self.routed_scaling == 0:
+            raise ValueError("DeaMoEConfig.routed_scaling=0: must be > 0")
+        if self.router_jitter >= 1:
+            raise ValueError(f"DeaMoEConfig.router_jitter={self.router_jitter}: must be < 1")
+
+    @property
+    def limit(self) -> int:
+        """The department limit as a number (num_departments when None)."""
+        return self.num_departments if self.department_limit is None else self.department_limit
+
+    @property
+    def slots(self) -> int:
+        """L: a token's department slots, min(top_k, limit)."""
+        return min(self.top_k, self.limit)
+
+    def check_model(self, cfg: ModelConfig) -> None:
+        """Called by ModelConfig's validation: models with a "deamoe" FFN need a width >= 1."""
+        if "deamoe" in cfg.ffns and self.resolved_d_ff(cfg) < 1:
+            raise ValueError(f"ModelConfig.deamoe: department_d_ff = d_ff // department_limit = "
+                             f"{cfg.resolved_d_ff} // {self.limit} is 0; set "
+                             "model.deamoe.department_d_ff")
+
+    def resolved_d_ff(self, cfg: ModelConfig) -> int:
+        return (self.department_d_ff if self.department_d_ff is not None
+                else cfg.resolved_d_ff // self.limit)
+
+
+def department_slots(dept_nk: jax.Array, slots: int, n_departments: int
+                     ) -> tuple[jax.Array, jax.Array]:
+    """A token's distinct departments in its L slots: (pair_nl [N,L] department per slot,
+    n_departments where empty; slot_nk [N,K] the slot of each assignment's department).
+    Requires at most L distinct departments per token (the routing's limit guarantees it)."""
+    n, k = dept_nk.shape
+    srt = jnp.sort(dept_nk, axis=1)
+    first = jnp.concatenate([jnp.ones((n, 1), bool), srt[:, 1:] != srt[:, :-1]], axis=1)
+    slot_sorted = jnp.where(first, jnp.cumsum(first, axis=1) - 1, slots)  # repeats: nowhere
+    pair_nl = jnp.full((n, slots), n_departments, jnp.int32).at[
+        jnp.arange(n)[:, None], slot_sorted].set(srt.astype(jnp.int32), mode="drop")
+    slot_nk = jnp.argmax(pair_nl[:, None, :] == dept_nk[:, :, None], axis=-1).astype(jnp.int32)
+    return pair_nl, slot_nk
+
+
+@register_ffn("deamoe")
+class DeaMoE(nnx.Module):
+    """Departments of experts sharing a SwiGLU, each expert a private square matrix (see the
+    module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        c = cfg.deamoe
+        d, e, g, f = cfg.d_model, c.num_experts, c.num_departments, c.resolved_d_ff(cfg)
+        pd = cfg.param_dtype
+        self.w_router = make_param(rngs, (d, e), ("embed", None), cfg.init_std, "float32")
+        self.w_gate = make_param(rngs, (g, d, f), ("expert", "embed", "mlp"), cfg.init_std, pd)
+        self.w_up = make_param(rngs, (g, d, f), ("expert", "embed", "mlp"), cfg.init_std, pd)
+        self.w_down = make_param(rngs, (g, f, d), ("expert", "mlp", "embed"), out_proj_std(cfg),
+                                 pd)
+        self.w_private = nnx.Param(jnp.broadcast_to(jnp.eye(f, dtype=pd), (e, f, f)),
+                                   logical_axes=("expert", None, None))
+        self.bias = (RoutingBias(jnp.zeros((e,), jnp.float32), logical_axes=(None,))
+                     if c.router == "sigmoid" else None)
+
+    def __call__(self, x_btd: jax.Array, *, segment_ids: jax.Array | None = None,
+                 rngs: nnx.Rngs | None = None) -> jax.Array:
+        c = self.cfg.deamoe
+        dt = jnp.dtype(self.cfg.dtype)
+        b, t, d = x_btd.shape
+        e, g, k, slots = c.num_experts, c.num_departments, c.top_k, c.slots
+        n = b * t
+        x_nd = x_btd.reshape(n, d).astype(dt)
+        real_n = (jnp.ones((n,), bool) if segment_ids is None
+                  else segment_ids.reshape(n) != 0)
+        real_f = real_n.astype(jnp.float32)
+        logits, ids_nk, weights_nk = route_tokens(
+            x_nd, self.w_router[...], None if self.bias is None else self.bias[...], real_n,
+            router=c.router, top_k=k, n_groups=g, topk_groups=c.limit,
+            normalize_topk=c.normalize_topk, routed_scaling=c.routed_scaling,
+            jitter=c.router_jitter, noise=c.router_noise, rngs=rngs)
+        dept_nk = ids_nk // (e // g)
+        pair_nl, slot_nk = department_slots(dept_nk, slots, g)
+        pair_nl = jnp.where(real_n[:, None], pair_nl, g)  # padding: no department
+        expert_m = jnp.where(jnp.repeat(real_n, k), ids_nk.reshape(-1), e)
+        counts = jnp.zeros((e + 1,), jnp.int32).at[expert_m].add(1)[:e]
+        pair_m = (jnp.arange(n, dtype=jnp.int32)[:, None] * slots + slot_nk).reshape(-1)
+        y_nd = self._three_stage(x_nd, pair_nl.reshape(-1), expert_m, pair_m,
+                                 weights_nk.reshape(-1), counts)
+        # Measured, not assumed: a real assignment whose pair slot holds another department (only
+        # if a token had more than L departments, which the routing rules out) was not processed.
+        lost_m = jnp.take(pair_nl.reshape(-1), pair_m) != dept_nk.reshape(-1)
+        processed = jnp.zeros((e + 1,), jnp.int32).at[jnp.where(lost_m, e, expert_m)].add(1)[:e]
+
+        report_routing(self, logits, counts, real_f, router=c.router, top_k=k,
+                       load_balance_weight=c.load_balance_weight, z_loss_weight=c.z_loss_weight,
+                       processed_e=processed)
+        used = jnp.sum(pair_nl < g, axis=1).astype(jnp.float32)
+        report_metric(self, "departments",
+                      jnp.sum(used * real_f) / jnp.maximum(real_f.sum(), 1.0))
+        record(self, "expert_ids", ids_nk.reshape(b, t, k))
+        if self.bias is not None and rngs is not None and c.bias_update_rate > 0:
+            move_bias(self.bias, counts, c.bias_update_rate)
+        return y_nd.reshape(b, t, d)
+
+    def _three_stage(self, x_nd, pair_r, expert_m, pair_m, weight_m, counts_e) -> jax.Array:
+        """y [N,D] (module docstring, "Three-stage grouped matmul"). pair_r [R]: each pair slot's
+        department (G: none); expert_m, pair_m, weight_m [M]: each assignment's expert (E: none),
+        pair slot and routing weight."""
+        c = self.cfg.deamoe
+        dt = x_nd.dtype
+        n, d = x_nd.shape
+        gmm = lambda a, w, sizes: grouped_matmul(a, w[...].astype(dt), sizes,  # noqa: E731
+                                                 c.grouped_matmul, c.gmm_block)
+        # 1. per department: gate and up, once per (token, department).
+        order1, counts1, inverse1 = sort_by_group(pair_r, c.num_departments)
+        x_r = jnp.take(x_nd, order1 // c.slots, axis=0)
+        gate = jnp.take(gmm(x_r, self.w_gate, counts1), inverse1, axis=0)  # [R,F], pair order
+        up = jnp.take(gmm(x_r, self.w_up, counts1), inverse1, axis=0)
+        # 2. per expert: the private matrix, weighted, summed into the assignment's pair.
+        order2, _, _ = sort_by_group(expert_m, c.num_experts)
+        src = jnp.take(pair_m, order2)
+        if c.private_placement == "hidden":
+            h = jax.nn.silu(gate) * up
+            z = gmm(jnp.take(h, src, axis=0), self.w_private, counts_e)
+        else:
+            z = (jax.nn.silu(gmm(jnp.take(gate, src, axis=0), self.w_private, counts_e))
+                 * jnp.take(up, src, axis=0))
+        z = z.astype(jnp.float32) * jnp.take(weight_m, order2)[:, None]  # rows past: zero
+        s_r = jnp.zeros((pair_r.shape[0], z.shape[1]), jnp.float32).at[src].add(z).astype(dt)
+        # 3. per department again: the shared down projection, once per (token, department).
+        y_r = gmm(jnp.take(s_r, order1, axis=0), self.w_down, counts1)
+        y_r = jnp.take(y_r, inverse1, axis=0).reshape(n, c.slots, d)
+        return jnp.sum(y_r.astype(jnp.float32), axis=1).astype(dt)
+
+    def flops_per_token(self) -> float:
+        """Active forward FLOPs: router, the shared SwiGLU of at most L departments, K private
+        matrices."""
+        c, d = self.cfg.deamoe, self.cfg.d_model
+        f = c.resolved_d_ff(self.cfg)
+        return 2.0 * d * c.num_experts + c.slots * 2.0 * 3 * d * f + c.top_k * 2.0 * f * f
