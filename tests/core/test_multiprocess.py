@@ -22,6 +22,7 @@ import pytest
 
 from aiinfra_jax import sharding as shd
 from aiinfra_jax.config import ConfigError, MeshConfig, load_config
+from aiinfra_jax.errors import EXIT_STOPPED
 from aiinfra_jax.train import train
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,7 +118,7 @@ def test_two_processes_train_as_one_stop_together_and_resume(tmp_path):
     first = Launch(tmp_path, "first", common)
     first.wait_for_a_step(run_dir / "logs" / "metrics.jsonl")
     first.procs[1].send_signal(signal.SIGTERM)
-    assert first.wait() == [0, 0], first.output()
+    assert first.wait() == [EXIT_STOPPED, EXIT_STOPPED], first.output()  # stopped, resumable
     saved = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir())
     assert len(saved) == 1 and 1 <= saved[0] < STEPS, (saved, first.output())
     assert f"stopped at step {saved[0]} (SIGTERM" in first.log(0), first.output()
@@ -136,7 +137,8 @@ def test_two_processes_train_as_one_stop_together_and_resume(tmp_path):
     # One run directory with one set of files, written by process 0; process 1 printed nothing.
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["tiny"]
     assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "config.json", "eval.json",
-                                                          "logs", "summary.json"]
+                                                          "logs", "run.lock", "summary.json"]
+    assert (run_dir / "run.lock").read_text() == "", "process 0 released the lock"
     assert len(list((run_dir / "logs").glob("events.out.tfevents*"))) == 2  # one per launch
     mesh = json.loads((run_dir / "config.json").read_text())["mesh"]
     assert (mesh["coordinator_address"], mesh["num_processes"], mesh["process_id"]) == ("", 0, -1)
