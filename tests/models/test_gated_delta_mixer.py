@@ -25,9 +25,9 @@ def _model(mixers, **changes):
     return Transformer(dataclasses.replace(CFG, mixers=mixers, **changes), rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("mixers", [("gdn",), ("kda",), ("gdn", "dense")])
-def test_prefill_then_decode_equals_the_full_forward(mixers):
-    model = _model(mixers)
+def test_prefill_then_decode_equals_the_full_forward():
+    """One model holds all three kinds of layer (one compile): each keeps its own cache."""
+    model = _model(("gdn", "kda", "dense"), n_layers=3)
     tokens = jax.random.randint(jax.random.key(1), (2, 20), 1, CFG.vocab_size)
     positions = jnp.broadcast_to(jnp.arange(20), (2, 20))
     full = model(tokens, positions=positions)[0]
@@ -57,9 +57,9 @@ def test_packed_documents_do_not_leak(mixer):
     np.testing.assert_allclose(together, alone, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("mixer", ["gdn", "kda"])
-def test_every_parameter_gets_a_gradient(mixer):
-    model = _model((mixer,), gated_delta=dataclasses.replace(CFG.gated_delta, kda_gate_bound=5.0))
+def test_every_parameter_gets_a_gradient():
+    model = _model(("gdn", "kda"),
+                   gated_delta=dataclasses.replace(CFG.gated_delta, kda_gate_bound=5.0))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tokens = jax.random.randint(jax.random.key(4), (2, 16), 1, CFG.vocab_size)
     positions = jnp.broadcast_to(jnp.arange(16), (2, 16))
@@ -83,17 +83,16 @@ def test_bad_settings_are_refused():
         GatedDeltaConfig(conv_width=1)
 
 
-def test_hybrid_trains_the_same_on_eight_devices_as_on_one(tmp_path):
-    """A gdn layer and a dense one (the NSA hybrid's decoding is covered by the prefill/decode
-    test's pattern and tests/core/test_nsa_train.py's sharded run; a train step with NSA on 8
-    devices costs a minute of the suite): losses of a data=2, fsdp=2, tensor=2 run equal the
-    single-device run's, and the loss moves."""
-    common = ["model.mixers=gdn,dense", "run.steps=3", "run.log_every=1", "data.val_fraction=0",
+def test_a_hybrid_trains_and_a_sharded_step_equals_one_device(tmp_path):
+    """A gdn + dense model through the trainer: the loss moves in 3 steps on one device, and one
+    step on a data=2, fsdp=2, tensor=2 mesh of the 8 simulated devices gives the same loss. (The
+    NSA hybrid's sharded run is tests/core/test_nsa_train.py's NSA part plus this; a full NSA
+    hybrid on 8 devices costs a minute of the suite.)"""
+    common = ["model.mixers=gdn,dense", "run.log_every=1", "data.val_fraction=0",
               "checkpoint.every=0", "model.gated_delta.chunk_size=16"]
-    one = train(tiny(tmp_path / "one", *common), quiet=True)
-    eight = train(tiny(tmp_path / "eight", *common, "mesh.num_devices=8", "mesh.data=2",
-                       "mesh.fsdp=2", "mesh.tensor=2"), quiet=True)
+    one = train(tiny(tmp_path / "one", *common, "run.steps=3"), quiet=True)
+    eight = train(tiny(tmp_path / "eight", *common, "run.steps=3", "mesh.num_devices=8",
+                       "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"), stop_after=1, quiet=True)
     a = [r["loss"] for r in one["history"]]
-    b = [r["loss"] for r in eight["history"]]
     assert np.all(np.isfinite(a)) and a[-1] < a[0], a
-    np.testing.assert_allclose(b, a, rtol=2e-5)
+    np.testing.assert_allclose(eight["history"][0]["loss"], a[0], rtol=2e-5)
