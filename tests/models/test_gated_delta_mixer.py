@@ -25,12 +25,24 @@ def _model(mixers, **changes):
     return Transformer(dataclasses.replace(CFG, mixers=mixers, **changes), rngs=nnx.Rngs(0))
 
 
+# XLA's backend optimisations cost most of these tests' time in compiling and change no result
+# beyond float rounding (tests/kernels/test_gated_delta.py does the same).
+_QUICK = {"xla_backend_optimization_level": 0}
+
+
+def _forward(model, tokens, positions, segment_ids=None):
+    graphdef, state = nnx.split(model)
+    run = jax.jit(lambda s, t, p, g: nnx.merge(graphdef, s)(t, positions=p, segment_ids=g)[0],
+                  compiler_options=_QUICK)
+    return run(state, tokens, positions, segment_ids)
+
+
 def test_prefill_then_decode_equals_the_full_forward():
     """One model holds all three kinds of layer (one compile): each keeps its own cache."""
     model = _model(("gdn", "kda", "dense"), n_layers=3)
     tokens = jax.random.randint(jax.random.key(1), (2, 20), 1, CFG.vocab_size)
     positions = jnp.broadcast_to(jnp.arange(20), (2, 20))
-    full = model(tokens, positions=positions)[0]
+    full = _forward(model, tokens, positions)
     lengths = np.array([11, 6])  # right-padded prompts: the padding must write nothing
     prompts = jnp.where(jnp.arange(11)[None] < lengths[:, None], tokens[:, :11], 0)
     logits, cache = prefill(model, prompts, jnp.asarray(lengths), 24)
@@ -52,8 +64,8 @@ def test_packed_documents_do_not_leak(mixer):
     packed = jnp.concatenate([a, b], axis=1)
     seg = jnp.concatenate([jnp.full((1, 13), 1), jnp.full((1, 11), 2)], axis=1)
     pos = jnp.concatenate([jnp.arange(13), jnp.arange(11)])[None]
-    together = model(packed, positions=pos, segment_ids=seg)[0][:, 13:]
-    alone = model(b, positions=jnp.arange(11)[None])[0]
+    together = _forward(model, packed, pos, seg)[:, 13:]
+    alone = _forward(model, b, jnp.arange(11)[None])
     np.testing.assert_allclose(together, alone, atol=2e-5, rtol=2e-5)
 
 
@@ -68,7 +80,7 @@ def test_every_parameter_gets_a_gradient():
         logits = nnx.merge(graphdef, p, rest)(tokens, positions=positions)[0]
         return jnp.mean(jax.nn.logsumexp(logits, -1) - logits[..., 0])
 
-    grads = jax.grad(loss)(params)
+    grads = jax.jit(jax.grad(loss), compiler_options=_QUICK)(params)
     dead = [jax.tree_util.keystr(path) for path, g in jax.tree_util.tree_leaves_with_path(grads)
             if not np.any(np.asarray(g) != 0)]
     assert not dead, f"no gradient reaches {dead}"
