@@ -8,7 +8,10 @@ The model is any module with the Transformer interface (`init_cache`, `features`
 Prompts are right-padded; the prefill marks the padding with segment id 0 so each row's cache length
 is its true prompt length, and decoding continues from there (positions = row length).
 The model is split into (graphdef, state) and run inside jax.jit, so repeated calls with the same
-model and shapes reuse the compiled programs.
+model and shapes reuse the compiled programs. Inside each program a model with an `unscanned()`
+method (the Transformer) is first turned into its per-block form, once, outside the decode loop:
+cached calls run the blocks in a Python loop anyway (models/transformer.py), and per-block
+parameters keep the loop from slicing the stacked ones again at every step.
 """
 
 from __future__ import annotations
@@ -70,9 +73,15 @@ def sample(logits: jax.Array, rng: jax.Array | None, temperature: float = 0.0,
 
 
 # Prefill and decode (pure functions of graphdef + state, jitted) --------------------------------
+def _merge(graphdef, state) -> nnx.Module:
+    model = nnx.merge(graphdef, state)
+    unscanned = getattr(model, "unscanned", None)
+    return model if unscanned is None else unscanned()
+
+
 @functools.partial(jax.jit, static_argnums=(0, 4, 5))
 def _prefill(graphdef, state, tokens_bt, lengths_b, max_len: int, chunk: int):
-    model = nnx.merge(graphdef, state)
+    model = _merge(graphdef, state)
     batch, seq = tokens_bt.shape
     n_chunks = seq // chunk
     cache = model.init_cache(batch, max_len)
@@ -114,7 +123,7 @@ def _step(model, cache, tokens_b, positions_b):
 # The cache is donated: a decode step updates it in place instead of copying all S slots.
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
 def _decode_step(graphdef, state, cache, tokens_b, positions_b):
-    return _step(nnx.merge(graphdef, state), cache, tokens_b, positions_b)
+    return _step(_merge(graphdef, state), cache, tokens_b, positions_b)
 
 
 def prefill(model: nnx.Module, tokens: jax.Array, lengths: jax.Array, max_len: int, *,
@@ -165,7 +174,7 @@ def decode_step(model: nnx.Module, cache: Any, tokens: jax.Array,
 @functools.partial(jax.jit, static_argnums=(0, 5, 6, 7, 8, 9))
 def _decode_loop(graphdef, state, cache, first_logits, lengths_b, max_new: int,
                  temperature: float, top_p: float, eos_id: int | None, pad_id: int, rng):
-    model = nnx.merge(graphdef, state)
+    model = _merge(graphdef, state)
     batch = first_logits.shape[0]
 
     def pick(logits, step):

@@ -22,7 +22,7 @@ Mixer -- `cls(cfg: ModelConfig, *, rngs: nnx.Rngs)`
       so the next call overwrites the padding. A row whose real tokens do not fit in the cache's
       max_len slots is refused, never written past the end: nothing of it is stored, its length
       stays and its outputs are NaN (models/attention/dense.py: cache_room, refuse_rows).
-  `init_cache(batch, max_len, dtype) -> pytree` (dense: {"k","v": [B,S,K,Dh], "lengths": [B] int32})
+  `init_cache(batch, max_len, dtype) -> pytree` (dense: {"k","v": [B,K,S,Dh], "lengths": [B] int32})
   `after_build(model)`: optional classmethod, called once by the Transformer after it is built, for
       what a mixer cannot set without its layer index (a mixer is built without one, and with
       scan_layers the repeats of a block share one structure): MSA sets its routing layers here.

@@ -9,9 +9,16 @@ inputs}, else it is the mixer's cache itself. A block holds P layers with the
 mixer/FFN pattern of the config; the block is repeated R times. With cfg.scan_layers the R blocks
 are one module whose parameters carry a leading "layers" axis of size R, run by jax.lax.scan (the
 module is split into graphdef/state and merged inside the scan body), so compile time does not grow
-with depth. Without it they are R separate modules run in a Python loop. In both cases the cache is
-a tuple over the P layer positions of mixer caches stacked on a leading R axis, and cfg.remat wraps
-the per-block body in jax.checkpoint.
+with depth. Without it they are R separate modules run in a Python loop. cfg.remat wraps the
+per-block body in jax.checkpoint.
+
+The cache (prefill and decode) is a tuple over the R blocks of tuples over their P layers (layer
+i = r * P + p is cache[r][p]), one separate buffer per layer, never stacked. Cached calls always
+run the blocks in a Python loop, scanned parameters or not (the loop takes block r's slice of
+the stacked parameters): a scan would carry the caches as scanned inputs and outputs, and so
+copy every layer's whole cache each step, where separate buffers are updated in place (decode
+writes one slot per layer). Decode programs are small, so their compile time growing with depth
+costs little; training and uncached forwards keep the scan.
 
 Auxiliary outputs (models/auxiliary.py): after every block call, inside the scan body (and so under
 remat), the losses, metrics and intermediates its modules reported are popped and returned as scan
@@ -333,7 +340,7 @@ class Transformer(nnx.Module):
                 rebuild=functools.partial(rebuild, cfg))
             stacked = {"losses": losses, "metrics": metrics, "intermediates": {}}
             new_cache = None
-        elif cfg.scan_layers:
+        elif cfg.scan_layers and cache is None:
             graphdef, state = nnx.split(self.blocks)
 
             def scan_body(carry, xs):
@@ -346,18 +353,28 @@ class Transformer(nnx.Module):
                                                                 (state, cache, keys))
             nnx.update(self.blocks, updated)
         else:
-            new_blocks_caches, per_block = [], []
-            for r, block in enumerate(self.blocks):
-                graphdef, state = nnx.split(block)
-                block_cache = None if cache is None else jax.tree.map(lambda a: a[r], cache)
+            # A Python loop over the blocks: unscanned models, and every cached call (see the
+            # module docstring: each layer's cache stays its own buffer, updated in place).
+            new_blocks_caches, per_block, per_block_updates = [], [], []
+            if cfg.scan_layers:
+                graphdef, stacked_state = nnx.split(self.blocks)
+            for r in range(cfg.n_repeats):
+                if cfg.scan_layers:
+                    state = jax.tree.map(lambda a: a[r], stacked_state)
+                else:
+                    graphdef, state = nnx.split(self.blocks[r])
                 carry, new_block_cache, outputs, updated = body(
-                    carry, state, block_cache, None if keys is None else keys[r], graphdef)
-                nnx.update(block, updated)
+                    carry, state, None if cache is None else cache[r],
+                    None if keys is None else keys[r], graphdef)
+                if not cfg.scan_layers:
+                    nnx.update(self.blocks[r], updated)
                 new_blocks_caches.append(new_block_cache)
                 per_block.append(outputs)
+                per_block_updates.append(updated)
             stacked = jax.tree.map(lambda *a: jnp.stack(a), *per_block)
-            new_cache = (None if cache is None else
-                         jax.tree.map(lambda *a: jnp.stack(a), *new_blocks_caches))
+            if cfg.scan_layers:
+                nnx.update(self.blocks, jax.tree.map(lambda *a: jnp.stack(a), *per_block_updates))
+            new_cache = None if cache is None else tuple(new_blocks_caches)
         x = (residual_cls.finalize(cfg, carry) if self.residual_final is None
              else self.residual_final(carry))
         return constrain(self.final_norm(x), _BTD), new_cache, _per_layer(stacked, cfg.block_size)
@@ -376,25 +393,40 @@ class Transformer(nnx.Module):
         if segment_ids is not None and segment_ids.shape != tokens.shape:
             raise ValueError(f"Transformer: segment_ids {segment_ids.shape} must match tokens "
                              f"{tokens.shape}")
-        if cache is not None and len(cache) != self.cfg.block_size:
-            raise ValueError(f"Transformer: cache has {len(cache)} layer entries, expected "
-                             f"{self.cfg.block_size}; build it with model.init_cache")
+        if cache is not None and (len(cache) != self.cfg.n_repeats
+                                  or any(len(c) != self.cfg.block_size for c in cache)):
+            raise ValueError(f"Transformer: the cache must hold {self.cfg.n_repeats} blocks of "
+                             f"{self.cfg.block_size} layer caches (got "
+                             f"{[len(c) for c in cache]}); build it with model.init_cache")
+
+    def unscanned(self) -> "Transformer":
+        """The same model with per-block parameters (cfg.scan_layers False): block r holds slice
+        r of the stacked parameters; self if it is already unscanned. Generation calls it once
+        per compiled program, outside its decode loop, so the slices are taken once per call
+        instead of once per layer and step (XLA does not hoist them out of the loop by itself)."""
+        if not self.cfg.scan_layers:
+            return self
+        cfg = dataclasses.replace(self.cfg, scan_layers=False)
+        graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+        state = nnx.split(self)[1]
+        stacked = state["blocks"]
+        state["blocks"] = nnx.State({r: jax.tree.map(lambda a, r=r: a[r], stacked)
+                                     for r in range(cfg.n_repeats)})
+        return nnx.merge(graphdef, state)
 
     # Caches, FLOPs, parameters ---------------------------------------------------------------
     def _block_template(self) -> Block:
         return self.blocks if self.cfg.scan_layers else self.blocks[0]
 
     def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> tuple:
-        """Tuple over the P layer positions of each mixer's cache, stacked on a leading R axis."""
+        """An empty cache: cache[r][p] is the cache of layer r * P + p, its own buffers (see the
+        module docstring)."""
         if max_len > self.cfg.max_seq_len:
             raise ValueError(f"init_cache: max_len={max_len} exceeds ModelConfig.max_seq_len="
                              f"{self.cfg.max_seq_len}; raise max_seq_len or shorten the request")
-        reps = self.cfg.n_repeats
-        caches = []
-        for layer in self._block_template().layers:
-            one = layer.init_cache(batch, max_len, dtype or self.cfg.dtype)
-            caches.append(jax.tree.map(lambda a: jnp.broadcast_to(a, (reps,) + a.shape), one))
-        return tuple(caches)
+        layers = self._block_template().layers
+        return tuple(tuple(layer.init_cache(batch, max_len, dtype or self.cfg.dtype)
+                           for layer in layers) for _ in range(self.cfg.n_repeats))
 
     def flops_per_token(self, seq_len: int) -> float:
         """Forward FLOPs per token: every matmul (including the output head) plus the mixers'

@@ -4,12 +4,17 @@ Shape letters: B batch, T new tokens, S cache slots (max_len), D d_model, H quer
 K key/value heads (H = G * K), Dh head_dim.
 
 Without a cache: causal attention restricted to equal segment ids (0 = padding, its own segment).
-With a cache {"k","v": [B,S,K,Dh], "lengths": [B] int32}: the T new keys/values are written at
+With a cache {"k","v": [B,K,S,Dh], "lengths": [B] int32}: the T new keys/values are written at
 slots lengths[b] .. lengths[b]+T-1, and query i of row b sees slots < lengths[b] + i + 1. Rows
 must be right-padded; segment_ids (if given) marks real tokens (nonzero), and each row's length
 grows by its count of real tokens. A row whose real tokens do not fit in the S slots is refused
 (`cache_room`): nothing of it is written, its length stays, and its outputs are NaN, so the
 overflow shows in its logits instead of corrupting the cache.
+
+The cache is head-major ([B,K,S,Dh]) so that cached calls run the shared
+kernels.flash_attention.cached_attention (two matmuls reading the cache once; its docstring says
+what the sequence-major layout cost). Where cuDNN is chosen (see DenseConfig) a prefill chunk
+(T > 1) transposes the cache once and runs cuDNN's fused attention instead.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from aiinfra_jax.kernels.flash_attention import AttentionMask, flash_attention
+from aiinfra_jax.kernels.flash_attention import AttentionMask, cached_attention, flash_attention
 
 from ..config import ModelConfig, check_implementation, runtime_field
 from ..layers import apply_rope, make_param, out_proj_std
@@ -42,8 +47,9 @@ class DenseConfig:
 
     kernel: "dot_product_attention" = jax.nn.dot_product_attention with a boolean mask;
       "flash_attention" = the shared chunked kernel (kernels/flash_attention: never a [B,H,T,T]
-      logits tensor, the choice for long contexts off-GPU) for full forward passes; cached
-      prefill / decode always use dot_product_attention.
+      logits tensor, the choice for long contexts off-GPU) for full forward passes. Cached
+      prefill / decode always use kernels.flash_attention.cached_attention on the head-major
+      cache (cuDNN for prefill chunks where the implementation rule below picks it).
     implementation: the backend, in the one vocabulary of models/config.py IMPLEMENTATIONS. For
       dot_product_attention: None = cuDNN on a GPU for bfloat16 / float16 compute when the shapes
       allow it (falling back to XLA with a logged warning if cuDNN cannot trace), XLA otherwise;
@@ -111,9 +117,9 @@ def attention_mask(segment_ids_bt: jax.Array | None, batch: int, seq: int) -> ja
 
 
 def cache_mask(lengths_b: jax.Array, seq: int, slots: int) -> jax.Array:
-    """Boolean [B,1,T,S]: query i of row b sees cache slots < lengths[b] + i + 1."""
+    """Boolean [B,T,S]: query i of row b sees cache slots < lengths[b] + i + 1."""
     limit_bt = lengths_b[:, None] + jnp.arange(seq, dtype=lengths_b.dtype)[None, :]
-    return (jnp.arange(slots)[None, None, :] <= limit_bt[:, :, None])[:, None]
+    return jnp.arange(slots)[None, None, :] <= limit_bt[:, :, None]
 
 
 def cache_room(lengths_b: jax.Array, segment_ids: jax.Array | None, seq: int, slots: int
@@ -136,12 +142,17 @@ def refuse_rows(y_bt: jax.Array, fits_b: jax.Array) -> jax.Array:
     return jnp.where(fits, y_bt, jnp.asarray(jnp.nan, y_bt.dtype))
 
 
-def write_cache(buf_bskd: jax.Array, new_btkd: jax.Array, lengths_b: jax.Array) -> jax.Array:
-    """buf with new[b, i] written at slot lengths[b] + i (out-of-range slots dropped)."""
+def write_cache(buf: jax.Array, new_btkd: jax.Array, lengths_b: jax.Array, *,
+                head_major: bool = False) -> jax.Array:
+    """buf [B,S,K,Dh] (or [B,K,S,Dh] with head_major) with new[b, i] written at slot
+    lengths[b] + i (out-of-range slots dropped)."""
     batch, seq = new_btkd.shape[:2]
     slots_bt = lengths_b[:, None] + jnp.arange(seq, dtype=lengths_b.dtype)[None, :]
     rows_bt = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, seq))
-    return buf_bskd.at[rows_bt, slots_bt].set(new_btkd.astype(buf_bskd.dtype), mode="drop")
+    new = new_btkd.astype(buf.dtype)
+    if head_major:  # advanced indices around a slice: the indexed dims lead, [B,T,K,Dh]
+        return buf.at[rows_bt, :, slots_bt].set(new, mode="drop")
+    return buf.at[rows_bt, slots_bt].set(new, mode="drop")
 
 
 @register_mixer("dense")
@@ -189,19 +200,24 @@ class DenseAttention(nnx.Module):
             new_cache = None
         else:
             lengths = cache["lengths"]
-            slots = cache["k"].shape[1]
+            slots = cache["k"].shape[2]
             added, fits, write_at = cache_room(lengths, segment_ids, seq, slots)
-            k_all = write_cache(cache["k"], k, write_at)
-            v_all = write_cache(cache["v"], v, write_at)
+            k_all = write_cache(cache["k"], k, write_at, head_major=True)
+            v_all = write_cache(cache["v"], v, write_at, head_major=True)
             mask = cache_mask(lengths, seq, slots)
-            y = refuse_rows(sdpa(q, k_all.astype(dt), v_all.astype(dt), mask, sdpa_impl), fits)
+            if seq > 1 and choose_implementation(sdpa_impl, dt, q.shape[-1]) == "cudnn":
+                y = sdpa(q, k_all.swapaxes(1, 2).astype(dt), v_all.swapaxes(1, 2).astype(dt),
+                         mask[:, None], sdpa_impl)
+            else:
+                y = cached_attention(q, k_all, v_all, mask)
+            y = refuse_rows(y, fits)
             new_cache = {"k": k_all, "v": v_all, "lengths": lengths + jnp.where(fits, added, 0)}
         out = jnp.einsum("bthk,hkd->btd", y.astype(dt), self.wo[...].astype(dt))
         return out, new_cache
 
     def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> DenseCache:
         dtype = jnp.dtype(dtype or self.cfg.dtype)
-        shape = (batch, max_len, self.cfg.n_kv_heads, self.cfg.resolved_head_dim)
+        shape = (batch, self.cfg.n_kv_heads, max_len, self.cfg.resolved_head_dim)
         return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
                 "lengths": jnp.zeros((batch,), jnp.int32)}
 

@@ -16,7 +16,11 @@ input:
        and the compression branch's log-sum-exp; sparse_attention attends to the top-n blocks.
   win  sliding window: flash_attention(window=w).
 All attention arithmetic lives in the shared kernels (kernels/flash_attention, block_selection,
-sparse_attention); NSAConfig.implementation picks their backend (None = best available).
+sparse_attention); NSAConfig.implementation picks their backend (None = best available). A decode
+step (one query per row) runs the cmp and win branches and the gathered selected blocks through
+kernels.flash_attention.cached_attention instead, on every backend: two small matmuls per branch
+over at most C, w and (n+1)*l' keys, where the tiled kernels pad the single query to a tile and
+loop over key tiles (their fixed cost was most of a decode step).
 
 Packed documents (segment_ids, training): every branch masks by segment; a compressed block that
 spans a document boundary gets kv segment id -1, so no query sees it. Blocks and windows are laid
@@ -28,7 +32,7 @@ Cache (prefill / decode, see models/registry.py): raw K/V of the selection and w
 lengths [B]. A call writes the T new tokens at each row's length, then compresses every block that
 these tokens complete (at most ceil(T/d) per row: a new compressed token every d tokens). A decode
 step reads the C compressed tokens, the n selected blocks (gathered before sparse_attention) and the
-last w keys (gathered before flash_attention): O(S/d + n*l' + w) work; pass the cache as a donated
+last w keys (gathered): O(S/d + n*l' + w) work; pass the cache as a donated
 argument (or loop inside one jit) so the O(1) writes happen in place.
 """
 
@@ -44,7 +48,8 @@ import numpy as np
 from flax import nnx
 
 from aiinfra_jax.kernels.block_selection import select_blocks
-from aiinfra_jax.kernels.flash_attention import AttentionMask, flash_attention
+from aiinfra_jax.kernels.flash_attention import AttentionMask, cached_attention, flash_attention
+from aiinfra_jax.kernels.flash_attention.mask import visible
 from aiinfra_jax.kernels.sparse_attention import sparse_attention
 
 from ..auxiliary import record
@@ -196,6 +201,16 @@ def n_compressed(seq_len: int, block_len: int, stride: int) -> int:
     return max(1, (seq_len - block_len) // stride + 1)
 
 
+def _attend_one(q, k_bskd, v_bskd, mask: AttentionMask, offset_b, return_lse: bool = False):
+    """One query per row (decode) at position offset_b [B] over a few hundred sequence-major keys
+    [B,S,K,Dh] under `mask` (flash_attention's rule): cached_attention on their head-major copy."""
+    slots = k_bskd.shape[1]
+    vis = visible(mask, offset_b[:, None, None], jnp.arange(slots)[None, None, :], slots)
+    vis = jnp.broadcast_to(vis, (q.shape[0], 1, slots))
+    return cached_attention(q, k_bskd.swapaxes(1, 2), v_bskd.swapaxes(1, 2), vis,
+                            return_lse=return_lse)
+
+
 def _cache_keys(separate_kv: bool) -> dict[str, tuple[str, str]]:
     """Branch -> its (key, value) raw cache entries [B,S,K,Dh]."""
     if separate_kv:
@@ -309,11 +324,15 @@ class NSAttention(nnx.Module):
         seq_len: raw key length of the slc keys; win_offset: q_offset for the window keys."""
         c = self.cfg.nsa
         kernel = dict(implementation=c.implementation, interpret=c.interpret)
+        decode = q_offset is not None and q.shape[1] == 1  # one query per row, no segments
         k_cmp, v_cmp = kv["cmp"]
-        cmp_seg = None if segment_ids is None else (segment_ids, cmp_segment_ids)
-        o_cmp, lse_cmp = flash_attention(
-            q, k_cmp, v_cmp, mask=AttentionMask(compressed=(c.cmp_block_len, c.cmp_stride)),
-            segment_ids=cmp_seg, q_offset=q_offset, return_lse=True, **kernel)
+        cmp_mask = AttentionMask(compressed=(c.cmp_block_len, c.cmp_stride))
+        if decode:
+            o_cmp, lse_cmp = _attend_one(q, k_cmp, v_cmp, cmp_mask, q_offset, return_lse=True)
+        else:
+            cmp_seg = None if segment_ids is None else (segment_ids, cmp_segment_ids)
+            o_cmp, lse_cmp = flash_attention(q, k_cmp, v_cmp, mask=cmp_mask, segment_ids=cmp_seg,
+                                             q_offset=q_offset, return_lse=True, **kernel)
         idx = select_blocks(q, k_cmp, lse_cmp, seq_len=seq_len, cmp_block_len=c.cmp_block_len,
                             cmp_stride=c.cmp_stride, block_size=c.sel_block_size,
                             n_selected=c.n_selected, n_init=c.n_init, n_local=c.n_local,
@@ -323,25 +342,28 @@ class NSAttention(nnx.Module):
         record(self, "selected_blocks", idx)
         record(self, "gates", gates)
         k_slc, v_slc = kv["slc"]
-        if q_offset is not None and q.shape[1] == 1:
+        if decode:
             o_slc = self._decode_selected(q, k_slc, v_slc, idx, q_offset)
         else:
             o_slc = sparse_attention(q, k_slc.astype(q.dtype), v_slc.astype(q.dtype), idx,
                                      block_size=c.sel_block_size, segment_ids=segment_ids,
                                      q_offset=q_offset, **kernel)
         k_win, v_win = kv["win"]
-        o_win = flash_attention(q, k_win, v_win, mask=AttentionMask(window=c.window),
-                                segment_ids=segment_ids, q_offset=win_offset,
-                                **kernel)
+        win_mask = AttentionMask(window=c.window)
+        if decode:
+            o_win = _attend_one(q, k_win, v_win, win_mask, win_offset)
+        else:
+            o_win = flash_attention(q, k_win, v_win, mask=win_mask, segment_ids=segment_ids,
+                                    q_offset=win_offset, **kernel)
         g = gates.astype(q.dtype)
         return g[..., 0, None] * o_cmp + g[..., 1, None] * o_slc + g[..., 2, None] * o_win
 
     def _decode_selected(self, q, k, v, idx, lengths):
         """Selection branch of one decode step (T = 1) in O(n*l'): the selected blocks of the
-        cache k, v [B,S,K,Dh] are gathered into n + 1 slots [B,(n+1)*l',K,Dh] (the query's own,
-        partly written block moved to the last slot, so its causal limit is the same for every KV
-        head and is passed as kv segment ids) and sparse_attention runs on that short key axis.
-        Without the gather the kernel would re-layout the whole cache (O(S)) every step."""
+        cache k, v [B,S,K,Dh] are gathered, head-major, into n + 1 blocks [B,K,(n+1)*l',Dh] (the
+        query's own, partly written block moved to the last one, where only its slots up to the
+        query are visible) and cached_attention runs on that short key axis. Without the gather
+        the attention would re-layout the whole cache (O(S)) every step."""
         c = self.cfg.nsa
         size = c.sel_block_size
         batch, slots, kv_heads = k.shape[:3]
@@ -350,18 +372,17 @@ class NSAttention(nnx.Module):
         is_own = idx == own
         blocks = jnp.concatenate([jnp.where(is_own, -1, idx),
                                   jnp.where(is_own.any(-1, keepdims=True), own, -1)], axis=-1)
-        rows = jnp.maximum(blocks[:, 0], 0)[..., None] * size + jnp.arange(size)  # [B,K,n+1,P]
-        rows = jnp.minimum(rows, slots - 1).reshape(batch, kv_heads, -1).transpose(0, 2, 1)
-        k_sel, v_sel = (jnp.take_along_axis(a, rows[..., None], axis=1).astype(q.dtype)
-                        for a in (k, v))
-        local = jnp.where(blocks >= 0, jnp.arange(n + 1, dtype=jnp.int32), -1)
+        blocks = blocks[:, 0]  # [B,K,n+1]
+        rows = jnp.maximum(blocks, 0)[..., None] * size + jnp.arange(size)  # [B,K,n+1,P]
+        rows = jnp.minimum(rows, slots - 1).reshape(batch, kv_heads, -1)
+        heads = jnp.arange(kv_heads)[None, :, None]
+        k_sel, v_sel = (a[jnp.arange(batch)[:, None, None], rows, heads] for a in (k, v))
         slot = jnp.arange((n + 1) * size, dtype=jnp.int32)
-        kv_seg = ((slot[None, :] < n * size)
-                  | (slot[None, :] - n * size <= (lengths % size)[:, None])).astype(jnp.int32)
-        q_seg = jnp.ones((batch, 1), jnp.int32)
-        return sparse_attention(q, k_sel, v_sel, local, block_size=size, causal=False,
-                                segment_ids=(q_seg, kv_seg), implementation=c.implementation,
-                                interpret=c.interpret)
+        in_time = ((slot[None, :] < n * size)
+                   | (slot[None, :] - n * size <= (lengths % size)[:, None]))  # [B,(n+1)*P]
+        chosen = jnp.repeat(blocks >= 0, size, axis=-1)  # [B,K,(n+1)*P]
+        vis = (chosen & in_time[:, None, :])[:, :, None, :]  # [B,K,1,(n+1)*P]
+        return cached_attention(q, k_sel, v_sel, vis)
 
     # Forward ----------------------------------------------------------------------------------
     def __call__(self, x_btd: jax.Array, *, positions: jax.Array,

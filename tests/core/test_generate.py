@@ -52,14 +52,16 @@ def test_prefill_and_decode_equal_the_full_forward(scan_layers):
     prompts[pad] = 7
     last, cache = prefill(model, prompts, LENGTHS, L)
     np.testing.assert_allclose(last, ref[rows, LENGTHS - 1], rtol=1e-5, atol=1e-5)
-    for entry in cache:
-        np.testing.assert_array_equal(entry["lengths"], np.broadcast_to(LENGTHS, (2, 3)))
+    assert len(cache) == model.cfg.n_repeats  # cache[r][p]: layer r * P + p, its own buffers
+    for block in cache:
+        for entry in block:
+            np.testing.assert_array_equal(entry["lengths"], LENGTHS)
     for i in range(N_NEW):
         pos = LENGTHS + i
         logits, cache = decode_step(model, cache, full[rows, pos], pos)
         np.testing.assert_allclose(logits, ref[rows, pos], rtol=1e-5, atol=1e-5,
                                    err_msg=f"decode step {i}")
-    np.testing.assert_array_equal(cache[0]["lengths"][0], LENGTHS + N_NEW)
+    np.testing.assert_array_equal(cache[0][0]["lengths"], LENGTHS + N_NEW)
 
 
 def _greedy_reference(model, prompts, n_new):
@@ -149,7 +151,7 @@ def test_chunked_prefill_matches_one_shot_prefill():
     # Chunks of 4 over 6 prompt tokens: rows end in the first chunk (3) and the second (5, 6).
     last_c, cache_c = prefill(model, prompts, LENGTHS, L, chunk_size=4)
     np.testing.assert_allclose(last_c, last, rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(cache_c[0]["lengths"], cache[0]["lengths"])
+    np.testing.assert_array_equal(cache_c[0][0]["lengths"], cache[0][0]["lengths"])
     rows = np.arange(len(LENGTHS))
     logits, _ = decode_step(model, cache, full[rows, LENGTHS], LENGTHS)
     logits_c, _ = decode_step(model, cache_c, full[rows, LENGTHS], LENGTHS)
@@ -178,8 +180,8 @@ def test_a_row_past_its_cache_is_refused_never_written(mixer):
         finite = np.isfinite(np.asarray(logits)).all(-1)
         assert finite.tolist() == [step < 2, True], (step, finite)
         pos = pos + 1
-        layer = cache[0]["mixer"] if "mixer" in cache[0] else cache[0]
-        assert np.asarray(layer["lengths"])[..., 0].max() == min(6 + step + 1, max_len)
-    refused = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a)[:, 0], b[:, 0]),
+        layer = cache[0][0]["mixer"] if "mixer" in cache[0][0] else cache[0][0]
+        assert np.asarray(layer["lengths"])[0] == min(6 + step + 1, max_len)
+    refused = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a)[0], b[0]),
                            cache, before)
     assert all(jax.tree.leaves(refused)), "the refused row's cache changed"

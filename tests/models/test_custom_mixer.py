@@ -66,7 +66,7 @@ def test_custom_mixer_decode_equals_forward():
     ref = np.asarray(jax.jit(lambda m, t: m(t, positions=positions)[0])(model, full))
     rows = np.arange(2)
     last, cache = prefill(model, full[:, :5], lengths, total)
-    assert cache[1]["prev"].shape == (2, 2, CFG.d_model)  # [R, B, D]
+    assert len(cache) == 2 and cache[1][1]["prev"].shape == (2, CFG.d_model)  # cache[r][p]: [B, D]
     np.testing.assert_allclose(last, ref[rows, lengths - 1], rtol=1e-5, atol=1e-5)
     for i in range(n_new):
         pos = lengths + i

@@ -199,7 +199,7 @@ def test_prefill_then_decode_equals_forward(separate_kv):
                 errs.append(np.abs(np.asarray(logits[b]) - np.asarray(full[b, pos[b]])).max())
         pos = pos + 1
     assert max(errs) < 2e-4, max(errs)
-    assert np.asarray(cache[0]["lengths"])[0, 0] == total
+    assert np.asarray(cache[0][0]["lengths"])[0] == total
 
 
 def test_no_leakage_across_documents():

@@ -73,7 +73,7 @@ def test_prefill_and_decode_equal_the_full_forward(mixer):
     # several prefill calls at nonzero lengths, the last one all padding for row 0.
     prompt = np.where(np.arange(12)[None, :] < lengths[:, None], np.asarray(tokens[:, :12]), 9)
     logits, cache = prefill(model, jnp.asarray(prompt), jnp.asarray(lengths), total, chunk_size=4)
-    assert sorted(cache[0]) == ["conv", "mixer"] and cache[0]["conv"].shape == (2, 2, W - 1, 16)
+    assert sorted(cache[0][0]) == ["conv", "mixer"] and cache[0][0]["conv"].shape == (2, W - 1, 16)
     rows = np.arange(2)
     errs = [np.abs(np.asarray(logits) - full[rows, lengths - 1]).max()]
     for i in range(total - lengths.max()):
