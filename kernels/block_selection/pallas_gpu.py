@@ -24,7 +24,12 @@ from jax.experimental.pallas import triton as plgpu
 
 from aiinfra_jax.kernels.block_selection.reference import (Remap, doc_start_positions,
                                                            token_visible)
-from .._util import pad_axis as _pad
+from .._util import dot_precision, pad_axis as _pad
+
+
+def _dot(a, b):
+    """a @ b accumulated in float32; float32 operands at full precision (not TF32)."""
+    return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=dot_precision(b.dtype))
 
 
 def _pow2(x: int) -> int:
@@ -49,14 +54,14 @@ def _kernel(off_ref, q_ref, k_ref, lse_ref, start_ref, out_ref, *, remap: Remap,
     def head(h, acc):
         lse = lse_ref[h, :]
         ok = jnp.logical_and(vis, (lse > -jnp.inf)[:, None])
-        s = jnp.dot(q_ref[:, h, :], kw.T, preferred_element_type=jnp.float32) * scale
+        s = _dot(q_ref[:, h, :], kw.T) * scale
         return acc + jnp.where(ok, jnp.exp(jnp.where(ok, s - lse[:, None], 0.0)), 0.0)
 
     # Skip the tile when its first block starts after the last query of the tile.
     n_heads = jnp.where(j0 * remap.block_size <= i * bq + bq - 1 + off, g, 0)
     p = lax.fori_loop(0, n_heads, head, jnp.zeros((bq, nt), jnp.float32))
     w = remap.weight(tok[:, None], (j0 + jnp.arange(nbt, dtype=jnp.int32))[None, :])
-    out_ref[...] = jnp.dot(p, w, preferred_element_type=jnp.float32)
+    out_ref[...] = _dot(p, w)
 
 
 def block_scores(q, k_cmp, lse_cmp, q_offset, q_segment_ids, *, seq_len: int, remap: Remap,

@@ -57,10 +57,6 @@ def token_tile(N: int, D: int, Q: int, dtype) -> tuple[int, int]:
     return cap, -(-N // cap) * cap
 
 
-def _precision(dtype):
-    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
-
-
 def _rms_col(v, D, eps):
     return jax.lax.rsqrt(jnp.sum(v * v, axis=-1, keepdims=True) / D + eps)        # [TN, 1]
 

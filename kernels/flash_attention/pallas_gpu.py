@@ -36,7 +36,12 @@ from aiinfra_jax.kernels.flash_attention.mask import (AttentionMask, full_key_bl
                                                       query_block_range, visible,
                                                       visible_counts)
 from aiinfra_jax.kernels.flash_attention.tuning import next_pow2, round_up
-from .._util import pad_axis as _pad
+from .._util import dot_precision, pad_axis as _pad
+
+
+def _dot(a, b):
+    """a @ b accumulated in float32; float32 operands at full precision (not TF32)."""
+    return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=dot_precision(b.dtype))
 
 _MIN = 16  # smallest Triton dot dimension
 
@@ -148,7 +153,7 @@ def _fwd_kernel(off_ref, q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_re
         m, l, acc = carry
         ks = pl.ds(j * bk, bk)
         k, v = k_ref[ks, :], v_ref[ks, :]
-        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale
+        s = _dot(q, k.T) * scale
         if masked:
             kvseg = None if qseg is None else kvseg_ref[ks]
             s = jnp.where(_tile_visible(mask, pos, j * bk, bk, kv_len, qseg, kvseg), s, -jnp.inf)
@@ -157,8 +162,7 @@ def _fwd_kernel(off_ref, q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_re
         corr = jnp.exp(m - m_safe)
         e = jnp.exp(s - m_safe[:, None])
         l = l * corr + jnp.sum(e, axis=1)
-        acc = acc * corr[:, None] + jnp.dot(e.astype(v.dtype), v,
-                                            preferred_element_type=jnp.float32)
+        acc = acc * corr[:, None] + _dot(e.astype(v.dtype), v)
         return m_new, l, acc
 
     dvp = v_ref.shape[-1]
@@ -210,7 +214,7 @@ def flash_attention_fwd(q, k, v, q_seg, kv_seg, off, *, mask: AttentionMask, sca
 # ----------------------------------------------------------------------------- backward
 
 def _probs(q, k, lse, scale, masked: bool, vis_fn):
-    s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale
+    s = _dot(q, k.T) * scale
     lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # empty rows: p = 0
     p = jnp.exp(s - lse[:, None])
     return jnp.where(vis_fn(), p, 0.0) if masked else p
@@ -234,9 +238,9 @@ def _dq_kernel(off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_re
         kvseg = None if qseg is None else kvseg_ref[ks]
         p = _probs(q, k, lse, scale, masked,
                    lambda: _tile_visible(mask, pos, j * bk, bk, kv_len, qseg, kvseg))
-        dp = jnp.dot(do, v.T, preferred_element_type=jnp.float32)
+        dp = _dot(do, v.T)
         ds = p * (dp - delta[:, None])
-        return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+        return dq + _dot(ds.astype(k.dtype), k)
 
     dq = _three_loops(lo, f_lo, f_hi, hi, body, jnp.zeros((rows, q.shape[-1]), jnp.float32))
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype).reshape(tq, gp, q.shape[-1])
@@ -271,10 +275,10 @@ def _dkv_kernel(off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_r
             return _tile_visible(mask, pos, j * bk, bk, kv_len, qseg, kvseg)
 
         p = _probs(q, k, lse, scale, masked, vis_fn)
-        dv = dv + jnp.dot(p.astype(do.dtype).T, do, preferred_element_type=jnp.float32)
-        dp = jnp.dot(do, v.T, preferred_element_type=jnp.float32)
+        dv = dv + _dot(p.astype(do.dtype).T, do)
+        dp = _dot(do, v.T)
         ds = p * (dp - delta[:, None])
-        dk = dk + jnp.dot(ds.astype(q.dtype).T, q, preferred_element_type=jnp.float32)
+        dk = dk + _dot(ds.astype(q.dtype).T, q)
         return dk, dv
 
     init = (jnp.zeros(k_ref.shape, jnp.float32), jnp.zeros(v_ref.shape, jnp.float32))

@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .tuning import TUNING, next_power_of_2
-from .._util import pad_axis as _pad_axis
+from .._util import dot_precision as _precision, pad_axis as _pad_axis
 
 _NEG_INF = float("-inf")
 
@@ -57,10 +57,6 @@ def _dim(D: int) -> int:
 def _dot(a, b, ca, cb, precision):
     return jax.lax.dot_general(a, b, (((ca,), (cb,)), ((), ())), precision=precision,
                                preferred_element_type=jnp.float32)
-
-
-def _precision(dtype):
-    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
 def _params():
