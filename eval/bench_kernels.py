@@ -6,11 +6,18 @@
     make bench-kernels ARGS="--lengths 4k,8k"
 
 Ops, at NSA's default shapes (one GQA group of 16 query heads over 1 KV head, block 64, n = 16):
-  sparse      sparse_attention over n selected blocks per query (random causal selections that always
-              hold the first and the query's own block)
+  sparse      sparse_attention over the n blocks per query that this library's own select_blocks
+              picks (kernels/block_selection) from real compressed scores of the random q / k: the
+              keys are compressed (windows of l=32 every d=16 raw keys, summed / sqrt(l): a
+              parameter-free stand-in for NSA's learned compression), the compressed branch's lse
+              comes from flash_attention, and select_blocks ranks the blocks (the first block and
+              the query's own two forced, no duplicate blocks). Early queries have fewer than n
+              blocks to pick from and their own block is partly in the future, so fewer keys are
+              attended than the nominal n * block: both are printed, and sparse rows count FLOPs,
+              FLOP/s and the FLOP ratio from the keys actually attended.
   window      flash_attention with a sliding window of 512 keys (NSA's window branch)
-  compressed  flash_attention over T/16 compressed keys with the compressed-causal mask (l=32, d=16)
-  select      select_blocks (scores from q, compressed keys and lse; top-n), forward only
+  compressed  flash_attention over the T/16 compressed keys above with the compressed-causal mask
+  select      select_blocks (scores from q, the compressed keys and lse; top-n), forward only
   gdn, kda    gated_delta_rule, chunkwise (H = HV = --heads value and query/key heads, K = V =
               --head-dim, L2-normalised q/k, log-decays logsigmoid(N(0,1))/16, beta sigmoid(N));
               gdn_rec / kda_rec: the same through the step-by-step float32 recurrence
@@ -22,6 +29,9 @@ Ops, at NSA's default shapes (one GQA group of 16 query heads over 1 KV head, bl
               while its [B,H,T,T] float32 score matrix fits in --dense-materialise-gb) and as this
               library's chunked flash_attention with a causal mask (dense_flash); the faster of the
               two at each T and mode is the baseline of the speed-ups, and each row names it.
+              Every ratio comes from this one invocation (both sides under the same load): when
+              --ops names other ops but no dense one, the dense baseline is added (say
+              --no-dense-baseline to skip it; the rows then carry no ratio).
 
 Reported per row: median time over --repeats timed calls after a warm-up call (calls longer than
 --long-call-s are timed once after compilation, and the row says so), achieved FLOP/s and bytes/s
@@ -64,15 +74,55 @@ def parse_lengths(text: str) -> list[int]:
     return out
 
 
-def random_selection(rng: np.random.Generator, B: int, T: int, Hkv: int, n: int,
-                     block: int) -> np.ndarray:
-    """Causal selections: slot 0 = block 0, slot 1 = the query's own block, the rest uniform in
-    [0, own block] (duplicates allowed; the op counts a repeated block once)."""
-    own = (np.arange(T) // block)[None, :, None, None]
-    idx = (rng.random((B, T, Hkv, n)) * (own + 1)).astype(np.int32)
-    idx[..., 0] = 0
-    idx[..., 1] = own[..., 0]
-    return idx
+def compress_keys(x: jax.Array, cmp_len: int = CMP_LEN, cmp_stride: int = CMP_STRIDE
+                  ) -> jax.Array:
+    """[B, S, H, D] -> [B, Sc, H, D], Sc = (S - l) // d + 1: compressed token i is the sum of raw
+    rows [i*d, i*d + l) over sqrt(l) (unit variance for unit-variance rows; a parameter-free
+    stand-in for NSA's learned compression MLP). Window sums from one float32 cumulative sum."""
+    S = x.shape[1]
+    sc = max((S - cmp_len) // cmp_stride + 1, 1)
+    cs = jnp.cumsum(jnp.pad(x.astype(jnp.float32), ((0, 0), (1, 0), (0, 0), (0, 0))), axis=1)
+    starts = jnp.arange(sc) * cmp_stride
+    ends = jnp.minimum(starts + cmp_len, S)
+    return ((cs[:, ends] - cs[:, starts]) * cmp_len ** -0.5).astype(x.dtype)
+
+
+def nsa_selection(q, k, v, *, block: int, n: int, cmp_len: int = CMP_LEN,
+                  cmp_stride: int = CMP_STRIDE, implementation: str | None = "xla",
+                  interpret: bool = False):
+    """NSA's selection for random q, k, v, made by this library's kernels: compressed keys and
+    values (compress_keys), the compressed branch's lse (flash_attention with the
+    compressed-causal mask) and select_blocks' top-n blocks (the first block and the query's own
+    two forced; ascending, no duplicates, -1 where a query has fewer than n candidate blocks).
+    Returns (block_indices [B, T, Hkv, n] int32, k_cmp, v_cmp, lse [B, T, Hq] float32)."""
+    T = k.shape[1]
+    n_init = min(1, n)
+    n_local = min(2, n - n_init)
+    mask = AttentionMask(causal=False, compressed=(cmp_len, cmp_stride))
+
+    @jax.jit
+    def go(q, k, v):
+        kc, vc = compress_keys(k, cmp_len, cmp_stride), compress_keys(v, cmp_len, cmp_stride)
+        _, lse = flash_attention(q, kc, vc, mask=mask, return_lse=True,
+                                 implementation=implementation, interpret=interpret)
+        idx = select_blocks(q, kc, lse, seq_len=T, cmp_block_len=cmp_len, cmp_stride=cmp_stride,
+                            block_size=block, n_selected=n, n_init=n_init, n_local=n_local,
+                            implementation=implementation, interpret=interpret)
+        return idx, kc, vc, lse
+
+    return go(q, k, v)
+
+
+def attended_keys(block_indices, block: int) -> tuple[np.ndarray, int]:
+    """(keys [B, T, Hkv] each query attends with each KV head, duplicate block entries): the
+    causally visible keys (positions <= t) of the distinct blocks listed, as sparse_attention
+    counts them (a repeated block once, -1 nothing)."""
+    idx = np.sort(np.asarray(block_indices), axis=-1)
+    dup = np.zeros(idx.shape, bool)
+    dup[..., 1:] = (idx[..., 1:] == idx[..., :-1]) & (idx[..., 1:] >= 0)
+    t = np.arange(idx.shape[1])[None, :, None, None]
+    keys = np.where((idx >= 0) & ~dup, np.clip(t - idx * block + 1, 0, block), 0)
+    return keys.sum(-1), int(dup.sum())
 
 
 def _time(fn, args, repeats: int, long_call_s: float) -> tuple[float, int, str]:
@@ -106,7 +156,7 @@ def _fwd_bwd(attn):
     return jax.grad(loss, argnums=(0, 1, 2))
 
 
-def bench_length(T: int, args, impl: str | None, rng: np.random.Generator) -> list[dict]:
+def bench_length(T: int, args, impl: str | None) -> list[dict]:
     B, H, Hkv, D = 1, args.heads, args.kv_heads, args.head_dim
     dt = jnp.dtype(args.dtype)
     key = jax.random.PRNGKey(T)
@@ -117,20 +167,27 @@ def bench_length(T: int, args, impl: str | None, rng: np.random.Generator) -> li
     ct = jax.random.normal(kc, (B, T, H, D), jnp.float32)
     rows = []
 
-    def run(op: str, attn, flops_f, flops_b, bytes_f, bytes_b, baseline_note="", kv=(k, v)):
+    def run(op: str, attn, flops_f, flops_b, bytes_f, bytes_b, baseline_note="", kv=(k, v),
+            actual=None, extra=None):
+        """Times fwd and fwd+bwd. actual: (forward, backward) FLOPs of the work really done when
+        it is below the nominal count (sparse: the keys actually attended); FLOP/s and the FLOP
+        ratio then use it. extra: fields copied into both rows."""
         for mode in ("fwd", "fwd+bwd"):
             call_args = (q, *kv) if mode == "fwd" else (q, *kv, ct)
             fn, temp = _compile(attn if mode == "fwd" else _fwd_bwd(attn), *call_args)
             sec, calls, note = _time(fn, call_args, args.repeats, args.long_call_s)
             flops = flops_f if mode == "fwd" else flops_f + flops_b
             nbytes = bytes_f if mode == "fwd" else bytes_f + bytes_b
-            rows.append({"op": op, "impl": impl or "auto", "T": T, "mode": mode, "seconds": sec,
-                         "timing": note, "flops": flops, "bytes": nbytes,
-                         "flop_per_s": flops / sec, "bytes_per_s": nbytes / sec,
-                         "temp_bytes": temp, "baseline": baseline_note})
+            row = {"op": op, "impl": impl or "auto", "T": T, "mode": mode, "seconds": sec,
+                   "timing": note, "flops": flops, "bytes": nbytes, "bytes_per_s": nbytes / sec,
+                   "temp_bytes": temp, "baseline": baseline_note, **(extra or {})}
+            if actual is not None:
+                row["flops_actual"] = actual[0] if mode == "fwd" else actual[0] + actual[1]
+            row["flop_per_s"] = row.get("flops_actual", flops) / sec
+            rows.append(row)
             print(f"  T={T:>6} {op:<11} {mode:<8} {sec * 1e3:10.1f} ms  "
-                  f"{flops / sec / 1e9:8.1f} GFLOP/s  temp {temp / 2**20:8.1f} MiB  ({note})",
-                  flush=True)
+                  f"{row['flop_per_s'] / 1e9:8.1f} GFLOP/s  temp {temp / 2**20:8.1f} MiB  "
+                  f"({note})", flush=True)
 
     # dense causal baseline
     causal = AttentionMask(causal=True)
@@ -148,8 +205,24 @@ def bench_length(T: int, args, impl: str | None, rng: np.random.Generator) -> li
             lambda q, k, v: flash_attention(q, k, v, mask=causal, implementation=impl),
             dense_ff, dense_fb, dense_bf, dense_bb, "flash_attention(causal)")
 
+    # NSA's compressed keys, the compressed branch's lse and select_blocks' selections, made once
+    # per T from the random q / k / v (the XLA path: the selection is an input here, not timed).
+    mc = AttentionMask(causal=False, compressed=(CMP_LEN, CMP_STRIDE))
+    if any(op in args.ops for op in ("sparse", "compressed", "select")):
+        idx, kcmp, vcmp, lse = nsa_selection(q, k, v, block=args.block, n=args.n,
+                                             implementation="xla")
+        Sc = kcmp.shape[1]
+
     if "sparse" in args.ops:
-        idx = jnp.asarray(random_selection(rng, B, T, Hkv, args.n, args.block))
+        keys, dups = attended_keys(idx, args.block)
+        nominal = args.n * args.block
+        mean_keys = float(keys.mean())
+        print(f"  T={T:>6} sparse selection: select_blocks on compressed scores (l={CMP_LEN}, "
+              f"d={CMP_STRIDE}) of random q/k, n={args.n} blocks of {args.block}: nominal "
+              f"{nominal} keys/query, actual mean {mean_keys:.1f} (min {int(keys.min())}, max "
+              f"{int(keys.max())}) = {100 * mean_keys / nominal:.1f}% of nominal; duplicate "
+              f"blocks {dups}", flush=True)
+        attended = int(keys.sum()) * (H // Hkv)           # (query, head, key) triples, all heads
         attn = lambda q, k, v: sparse_attention(q, k, v, idx, block_size=args.block,
                                                 implementation=impl)
         run("sparse", attn,
@@ -158,7 +231,10 @@ def bench_length(T: int, args, impl: str | None, rng: np.random.Generator) -> li
             sparse_attention_bytes(B, T, H, D, D, args.n, args.block, Hkv=Hkv,
                                    itemsize=dt.itemsize),
             sparse_attention_bytes(B, T, H, D, D, args.n, args.block, backward=True, Hkv=Hkv,
-                                   itemsize=dt.itemsize))
+                                   itemsize=dt.itemsize),
+            actual=(2 * attended * (D + D), 2 * attended * (3 * D + 2 * D)),
+            extra={"keys_nominal": nominal, "keys_actual": mean_keys,
+                   "keys_actual_min": int(keys.min()), "duplicate_blocks": dups})
 
     if "window" in args.ops:
         m = AttentionMask(causal=True, window=WINDOW)
@@ -168,11 +244,7 @@ def bench_length(T: int, args, impl: str | None, rng: np.random.Generator) -> li
             flash_attention_bytes(B, T, T, H, Hkv, D, D, dtype=dt),
             flash_attention_bytes(B, T, T, H, Hkv, D, D, dtype=dt, backward=True))
 
-    Sc = max((T - CMP_LEN) // CMP_STRIDE + 1, 1)
-    kcmp = jax.random.normal(kcc, (B, Sc, Hkv, D), dt)
-    mc = AttentionMask(causal=False, compressed=(CMP_LEN, CMP_STRIDE))
     if "compressed" in args.ops:
-        vcmp = kcmp[..., ::-1]
         attn = lambda q, k, v: flash_attention(q, k, v, mask=mc, implementation=impl)
         run("compressed", attn, flash_attention_flops(B, T, Sc, H, D, D, mc),
             flash_attention_flops(B, T, Sc, H, D, D, mc, backward=True),
@@ -181,10 +253,11 @@ def bench_length(T: int, args, impl: str | None, rng: np.random.Generator) -> li
             kv=(kcmp, vcmp))
 
     if "select" in args.ops:
-        _, lse = flash_attention(q, kcmp, kcmp, mask=mc, return_lse=True, implementation=impl)
         sel = lambda q, kc, lse: select_blocks(q, kc, lse, seq_len=T, cmp_block_len=CMP_LEN,
                                                cmp_stride=CMP_STRIDE, block_size=args.block,
-                                               n_selected=args.n, implementation=impl)
+                                               n_selected=args.n, n_init=min(1, args.n),
+                                               n_local=min(2, args.n - min(1, args.n)),
+                                               implementation=impl)
         fn, temp = _compile(sel, q, kcmp, lse)
         sec, calls, note = _time(fn, (q, kcmp, lse), args.repeats, args.long_call_s)
         flops = flash_attention_flops(B, T, Sc, H, D, 0, mc)  # q.k_cmp recompute
@@ -215,7 +288,8 @@ def bench_length(T: int, args, impl: str | None, rng: np.random.Generator) -> li
         if d and not r["op"].startswith("dense"):
             r["baseline"] = d["baseline"]
             r["speedup_vs_dense"] = d["seconds"] / r["seconds"]
-            r["flop_ratio_vs_dense"] = d["flops"] / r["flops"] if r["flops"] else None
+            work = r.get("flops_actual", r["flops"])
+            r["flop_ratio_vs_dense"] = d["flops"] / work if work else None
     return rows
 
 
@@ -253,15 +327,22 @@ def write_outputs(rows: list[dict], meta: dict, out_dir: Path) -> None:
              f"Hkv={meta['kv_heads']}, D={meta['head_dim']}, block {meta['block']}, "
              f"n={meta['n']}; {meta['date']}", "",
              "| op | T | mode | time (ms) | GFLOP/s | GB/s | temp MiB | speed-up vs dense | "
-             "FLOP ratio | vs recurrence | timing |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "FLOP ratio | vs recurrence | keys/query actual (nominal) | timing |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         su = f"{r['speedup_vs_dense']:.2f}x" if r.get("speedup_vs_dense") else ""
         fr = f"{r['flop_ratio_vs_dense']:.1f}x" if r.get("flop_ratio_vs_dense") else ""
         op = r["op"] + (f" (vs {r['baseline']})" if r.get("speedup_vs_dense") else "")
         rec = f"{r['recurrent_speedup']:.1f}x" if r.get("recurrent_speedup") else ""
+        keys = (f"{r['keys_actual']:.0f} ({r['keys_nominal']})" if "keys_actual" in r else "")
         lines.append(f"| {op} | {r['T']} | {r['mode']} | {r['seconds'] * 1e3:.1f} | "
                      f"{r['flop_per_s'] / 1e9:.1f} | {r['bytes_per_s'] / 1e9:.2f} | "
-                     f"{r['temp_bytes'] / 2**20:.0f} | {su} | {fr} | {rec} | {r['timing']} |")
+                     f"{r['temp_bytes'] / 2**20:.0f} | {su} | {fr} | {rec} | {keys} | "
+                     f"{r['timing']} |")
+    lines += ["", "Ratios: each row against the faster dense baseline of the same T and mode, "
+              "measured in this invocation. Sparse rows count FLOPs (GFLOP/s, FLOP ratio) from "
+              "the keys actually attended under select_blocks' selections, not the nominal "
+              "n * block."]
     (out_dir / "results.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
@@ -303,18 +384,28 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--long-call-s", type=float, default=10.0)
     ap.add_argument("--dense-materialise-gb", type=float, default=1.0)
+    ap.add_argument("--no-dense-baseline", action="store_true",
+                    help="do not add the dense baseline when --ops names none (no ratios then)")
     ap.add_argument("--out-dir", default="runs/bench_kernels")
     args = ap.parse_args(argv)
     args.ops = [o.strip() for o in args.ops.split(",")]
+    rated = [o for o in args.ops if o != "dense"]
+    if rated and "dense" not in args.ops:
+        if args.no_dense_baseline:
+            print("no dense baseline (--no-dense-baseline): rows carry no speed-up ratio",
+                  flush=True)
+        else:
+            print("adding the dense baseline, so that every ratio comes from this invocation "
+                  "(--no-dense-baseline skips it)", flush=True)
+            args.ops.insert(0, "dense")
     d = jax.devices()[0]
     device = f"{d.device_kind} ({jax.default_backend()}, {jax.device_count()} device(s), jax {jax.__version__})"
     print(f"device: {device}", flush=True)
-    rng = np.random.default_rng(0)
     rows = []
     for impl_name in args.impls.split(","):
         impl = None if impl_name == "auto" else impl_name
         for T in parse_lengths(args.lengths):
-            rows += bench_length(T, args, impl, rng)
+            rows += bench_length(T, args, impl)
     meta = {"device": device, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
             "dtype": args.dtype, "heads": args.heads, "kv_heads": args.kv_heads,
             "head_dim": args.head_dim, "block": args.block, "n": args.n,

@@ -19,6 +19,37 @@ def test_bench_kernels_toy(tmp_path):
     assert all(r["seconds"] > 0 for r in res["rows"])
     assert all("speedup_vs_dense" in r for r in res["rows"] if not r["op"].startswith("dense"))
     assert (tmp_path / "results.md").exists() and (tmp_path / "time_vs_length.png").exists()
+    # select_blocks' selections: no duplicate blocks, fewer keys attended than the nominal n * P
+    # (early queries have fewer blocks), and FLOP/s counted from the keys actually attended.
+    for r in (r for r in res["rows"] if r["op"] == "sparse"):
+        assert r["duplicate_blocks"] == 0 and r["keys_nominal"] == 4 * 16
+        assert 0 < r["keys_actual"] < r["keys_nominal"]
+        assert 0 < r["flops_actual"] < r["flops"]
+
+
+def test_nsa_selection_uses_select_blocks_without_duplicates():
+    """The selections bench_kernels times come from select_blocks on compressed scores: causal,
+    duplicate-free, and attended keys counted per query as sparse_attention sees them."""
+    import jax
+    import numpy as np
+
+    T, P, n = 200, 16, 4
+    key = jax.random.PRNGKey(0)
+    q = jax.random.normal(key, (1, T, 2, 16))
+    k, v = (jax.random.normal(jax.random.fold_in(key, i), (1, T, 1, 16)) for i in (1, 2))
+    idx, kc, vc, lse = bench_kernels.nsa_selection(q, k, v, block=P, n=n)
+    idx = np.asarray(idx)
+    assert idx.shape == (1, T, 1, n) and kc.shape == vc.shape == (1, (T - 32) // 16 + 1, 1, 16)
+    own = np.arange(T)[None, :, None] // P
+    assert np.all(idx.max(-1) == own) and np.all(idx[..., 0] == 0)       # forced blocks
+    keys, dups = bench_kernels.attended_keys(idx, P)
+    assert dups == 0
+    # query t: min(n, own + 1) blocks, all full except its own (t % P + 1 keys so far)
+    t = np.arange(T)
+    np.testing.assert_array_equal(keys[0, :, 0], (np.minimum(n, t // P + 1) - 1) * P + t % P + 1)
+    twice = idx.copy()
+    twice[..., 1] = twice[..., 0]
+    assert bench_kernels.attended_keys(twice, P)[1] > 0
 
 
 def test_bench_train_toy(tmp_path):
