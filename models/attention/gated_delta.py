@@ -28,12 +28,26 @@ memory and time per token whatever the context length. Right padding (segment_id
 call writes nothing: its beta and g are zeroed, so the state passes through it unchanged, and the
 convolution tail keeps each row's last real inputs. A recurrent state has no slot limit, so a
 cached call never overflows (max_len only sizes nothing here); positions are not used (no RoPE).
+
+Quantized decode states (LeapQuant, kernels/leapquant; off by default; its window read picks its
+implementation from the lowering platform, implementation=None): with
+`model.gated_delta.state_quant` = "int8" | "int6" | "int4" | "bf16" the cache holds
+{"qstate": the LeapQuant state (a quantized window-boundary state, its scales, smoothing and float16
+compensators, plus the current window's high-precision records), "conv", "lengths"} instead of the
+float32 "state". A one-token call (decode) runs the record form (kernels/leapquant/xla.py: the
+boundary state is read without a dequantized copy and re-quantized every state_window steps); a
+longer call (prefill, or a prefill chunk) runs the chunked kernel from the dense state the cache
+stands for and quantizes its final state, starting a new window (rows with no real token in the
+call keep theirs untouched). "<fmt>_per_step" (e.g. "int8_per_step", "bf16_per_step") is the naive
+baseline: the state rounded after every step (window 1, no compensators, no smoothing).
+models/prefix_cache.py snapshots such caches every N prompt tokens and restores them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any
 
 import jax
@@ -41,6 +55,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from aiinfra_jax.kernels.gated_delta import gated_delta_rule
+from aiinfra_jax.kernels.leapquant import (LeapQuantSpec, encode_state, init_state,
+                                           leapquant_decode, materialize)
 
 from ..config import ModelConfig, check_implementation, runtime_field
 from ..layers import make_param, out_proj_std
@@ -58,6 +74,15 @@ class GatedDeltaConfig:
     conv_width: W of the q/k/v short convolutions (0 = off). kda_gate_bound: see the docstring
     (0 = the unbounded softplus gate). chunk_size: the kernel's chunk. implementation / interpret:
     the kernel's backend (run-time).
+
+    Quantized decode states (run-time; see the module docstring and kernels/leapquant):
+    state_quant: None (off: float32 states), "int8" / "int6" / "int4" / "bf16" (LeapQuant: a
+    quantized boundary state per window of state_window steps plus the window's records), or
+    "<fmt>_per_step" (the naive baseline, rounded every step). state_window: steps per window
+    (16). state_rank: compensators per state (None = 4, 8 at int4, 0 for bf16). state_smoothing:
+    residual smoothing (None = on for the integer formats). state_comp_target: "state" (fit the
+    compensators to the state, then quantize the residual) or "error" (fit them to the
+    quantization error); see kernels/leapquant/quantize.py.
     """
 
     num_heads: int = 0
@@ -69,6 +94,11 @@ class GatedDeltaConfig:
     chunk_size: int = runtime_field(64)
     implementation: str | None = runtime_field(None)
     interpret: bool = runtime_field(False)
+    state_quant: str | None = runtime_field(None)
+    state_window: int = runtime_field(16)
+    state_rank: int | None = runtime_field(None)
+    state_smoothing: bool | None = runtime_field(None)
+    state_comp_target: str = runtime_field("state")
 
     def __post_init__(self):
         for name in ("num_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_width"):
@@ -87,6 +117,42 @@ class GatedDeltaConfig:
                              "multiple of 8")
         check_implementation("GatedDeltaConfig", self.implementation,
                              (None, "xla", "pallas_gpu", "pallas_tpu"))
+        self.state_spec()  # validates the state_* fields
+
+    def state_spec(self) -> LeapQuantSpec | None:
+        """The kernels/leapquant storage spec of the decode state, or None (float32 states).
+        Raises ValueError naming the model.gated_delta.state_* field that is wrong."""
+        w = self.state_window
+        if not isinstance(w, int) or isinstance(w, bool) or w < 1:
+            raise ValueError(f"model.gated_delta.state_window={w!r} must be an int >= 1 (steps "
+                             "per quantization window; 16 is LeapQuant's default)")
+        r = self.state_rank
+        if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 0):
+            raise ValueError(f"model.gated_delta.state_rank={r!r} must be None (4; 8 at int4) or "
+                             "an int >= 0")
+        if self.state_smoothing not in (None, True, False):
+            raise ValueError(f"model.gated_delta.state_smoothing={self.state_smoothing!r} must be "
+                             "None (on for integer formats), True or False")
+        if self.state_comp_target not in ("state", "error"):
+            raise ValueError(f"model.gated_delta.state_comp_target={self.state_comp_target!r} "
+                             "must be 'state' or 'error'")
+        q = self.state_quant
+        if q is None:
+            return None
+        choices = "None, 'int8', 'int6', 'int4', 'bf16' or one of those + '_per_step'"
+        if not isinstance(q, str):
+            raise ValueError(f"model.gated_delta.state_quant={q!r} must be {choices}")
+        fmt, per_step = (q[:-len("_per_step")], True) if q.endswith("_per_step") else (q, False)
+        m = re.fullmatch(r"int(\d+)", fmt)
+        if m and int(m.group(1)) not in (4, 6, 8):
+            raise ValueError(f"model.gated_delta.state_quant={q!r}: {m.group(1)} bits is not "
+                             "supported; bits must be 4, 6 or 8 ('int8', 'int6', 'int4')")
+        if fmt not in ("int8", "int6", "int4", "bf16"):
+            raise ValueError(f"model.gated_delta.state_quant={q!r} must be {choices}")
+        if per_step:
+            return LeapQuantSpec(fmt=fmt, window=1, rank=0, smoothing=False)
+        return LeapQuantSpec(fmt=fmt, window=w, rank=r, smoothing=self.state_smoothing,
+                             comp_target=self.state_comp_target)
 
     def dims(self, cfg: ModelConfig) -> tuple[int, int, int, int]:
         """(H, HV, K, V) resolved against the model config."""
@@ -97,11 +163,20 @@ class GatedDeltaConfig:
 
     def check_model(self, cfg: ModelConfig) -> None:
         if not any(m in ("gdn", "kda") for m in cfg.mixers):
+            if self.state_quant is not None:
+                raise ValueError(f"model.gated_delta.state_quant={self.state_quant!r} quantizes "
+                                 f"the recurrent states of 'gdn'/'kda' mixers, but model.mixers="
+                                 f"{cfg.mixers} has none: add a 'gdn' or 'kda' mixer or set "
+                                 "model.gated_delta.state_quant=None")
             return
-        h, hv, _, _ = self.dims(cfg)
+        h, hv, kd, vd = self.dims(cfg)
         if hv % h:
             raise ValueError(f"model.gated_delta.num_v_heads={hv} must be a multiple of the "
                              f"query/key heads {h}")
+        spec = self.state_spec()
+        if spec is not None and spec.r > min(kd, vd):
+            raise ValueError(f"model.gated_delta.state_rank={spec.r} exceeds the state's rank "
+                             f"limit min(K, V) = {min(kd, vd)}: lower it")
 
 
 class _GatedDelta(nnx.Module):
@@ -187,6 +262,16 @@ class _GatedDelta(nnx.Module):
         y = (o32 * self.o_norm[...].astype(jnp.float32)).astype(dt) * jax.nn.silu(gate)
         return jnp.einsum("bthv,hvd->btd", y, self.w_o[...].astype(dt))
 
+    def recurrence_inputs(self, x_btd: jax.Array) -> tuple[jax.Array, ...]:
+        """What this layer feeds the recurrence for inputs x [B,T,D] (one document, no cache):
+        (q, k [B,T,H,K] L2-normalised, v [B,T,HV,V], g [B,T,HV] or [B,T,HV,K] log-decays,
+        beta [B,T,HV]). For state studies (eval/bench_leapquant.py)."""
+        x = x_btd.astype(jnp.dtype(self.cfg.dtype))
+        q, k, v, _ = self._qkv(x, None, None)
+        beta = jax.nn.sigmoid(jnp.einsum("btd,dh->bth", x, self.w_b[...].astype(x.dtype))
+                              .astype(jnp.float32))
+        return q, k, v, self._decay(x), beta
+
     # -- the mixer interface (models/registry.py)
 
     def __call__(self, x_btd: jax.Array, *, positions: jax.Array,
@@ -212,18 +297,49 @@ class _GatedDelta(nnx.Module):
             added = jnp.sum(real, axis=1).astype(cache["lengths"].dtype)
             beta = jnp.where(real[..., None], beta, 0.0)
             g = jnp.where(real.reshape(real.shape + (1,) * (g.ndim - 2)), g, 0.0)
-        o, state = gated_delta_rule(q, k, v, g, beta, initial_state=cache["state"],
-                                    output_final_state=True, **run)
-        new_cache = {"state": state, "lengths": cache["lengths"] + added}
+        if "qstate" in cache:
+            o, qstate = self._quantized_step(cache["qstate"], q, k, v, g, beta, segment_ids,
+                                             added, run)
+            new_cache = {"qstate": qstate}
+        else:
+            o, state = gated_delta_rule(q, k, v, g, beta, initial_state=cache["state"],
+                                        output_final_state=True, **run)
+            new_cache = {"state": state}
+        new_cache["lengths"] = cache["lengths"] + added
         if new_conv is not None:
             new_cache["conv"] = new_conv
         return self._output(x, o), new_cache
 
+    def _quantized_step(self, qstate, q, k, v, g, beta, segment_ids, added, run):
+        """The cached call on a LeapQuant state: (o [B,T,HV,V], new qstate)."""
+        spec = self.cfg.gated_delta.state_spec()
+        if q.shape[1] == 1:  # decode: the record form, no re-quantization inside a window
+            active = None if segment_ids is None else segment_ids != 0
+            o, new = leapquant_decode(q, k, v, g, beta, qstate, spec=spec, scale=run["scale"],
+                                      active=active)
+            return o.astype(q.dtype), new
+        # prefill (or a chunk of it): the chunked kernel from the dense state, then a new window
+        o, state = gated_delta_rule(q, k, v, g, beta, initial_state=materialize(qstate),
+                                    output_final_state=True, **run)
+        new = encode_state(spec, state, decay_dim=self._decay_dim)
+        wrote = added > 0
+        new = jax.tree.map(lambda a, b: jnp.where(wrote.reshape((-1,) + (1,) * (a.ndim - 1)), a, b),
+                           new, qstate)
+        return o, new
+
+    @property
+    def _decay_dim(self) -> int:
+        return self.dims[2] if self.per_channel_decay else 1
+
     def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> dict:
         del max_len  # a recurrent state: constant size
         _, hv, kd, vd = self.dims
-        cache = {"state": jnp.zeros((batch, hv, kd, vd), jnp.float32),
-                 "lengths": jnp.zeros((batch,), jnp.int32)}
+        spec = self.cfg.gated_delta.state_spec()
+        if spec is None:
+            cache = {"state": jnp.zeros((batch, hv, kd, vd), jnp.float32)}
+        else:
+            cache = {"qstate": init_state(spec, batch, hv, kd, vd, decay_dim=self._decay_dim)}
+        cache["lengths"] = jnp.zeros((batch,), jnp.int32)
         width = self.cfg.gated_delta.conv_width
         if width:
             cache["conv"] = jnp.zeros((batch, width - 1, self.conv_channels),
