@@ -8,7 +8,8 @@ PY     := $(VENV)/bin/python
 CONFIG ?= configs/nsa_tiny.py
 ARGS   ?=
 
-.PHONY: train test install install-dev bench-train bench-kernels bench-nsa bench-attnres bench-moe profile-step clean-venv
+.PHONY: train test install install-dev bench-train bench-kernels bench-nsa bench-attnres bench-moe \
+	bench-generate bench-leapquant bench-gpu profile-step clean-venv
 
 $(VENV)/.stamp-base: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -52,6 +53,24 @@ MOE_RUN ?= runs/moe_tiny
 DEAMOE_RUN ?= runs/deamoe_tiny
 bench-moe: $(VENV)/.stamp-base
 	$(PY) -m aiinfra_jax.eval.bench_moe --moe $(MOE_RUN) --deamoe $(DEAMOE_RUN) $(ARGS)
+
+# Prefill and decode tokens/s of generate (tiny dense, NSA and AttnRes presets, 1K/4K context,
+# batch 1/8), beside the bytes one decode step moves.
+bench-generate: $(VENV)/.stamp-base
+	$(PY) -m aiinfra_jax.eval.bench_generate $(ARGS)
+
+# LeapQuant: state error of per-step vs per-window 8/6/4-bit recurrent states, bytes per element.
+bench-leapquant: $(VENV)/.stamp-base
+	$(PY) -m aiinfra_jax.eval.bench_leapquant $(ARGS)
+
+# Pallas GPU kernels: parity with their float32 references (native) and timings against cuDNN and
+# the XLA path at 4K-64K tokens, in under 5 minutes (eval/bench_gpu.py). Uses the machine's own
+# python3 and JAX, no venv, no install, no network (grain and datasets need not exist):
+#   make bench-gpu [ARGS="--lengths 4k,16k,64k --budget-s 270"]
+# On a CPU: make bench-gpu PYTHON=.venv/bin/python ARGS="--interpret --tiny"   (interpret mode)
+#           make bench-gpu PYTHON=.venv/bin/python ARGS=--lower-only          (lower every row for cuda)
+bench-gpu:
+	$(PYTHON) eval/bench_gpu.py $(ARGS)
 
 profile-step: $(VENV)/.stamp-base
 	$(PY) -m aiinfra_jax.eval.profile_step --config $(CONFIG) $(ARGS)
