@@ -6,11 +6,17 @@
 For each preset (a configs/ file name, or "attnres" = configs/tiny.py with Block Attention
 Residuals), context length and batch size: a randomly initialised model (speed does not depend on
 the weights; no eos, so every row decodes --new-tokens tokens) generates from random prompts.
-Decode time per step = (time of generate with N new tokens - time with 1) / (N - 1), each the
-best of --repeats calls after a compiling one, so prefill and dispatch cancel; prefill tokens/s
-from the 1-token call (prompts fed in chunks of --prefill-chunk tokens, 0 = one chunk). Beside it, the step's own cost: the bytes one compiled decode step
-accesses (XLA's cost analysis of `decode_step`) over this machine's measured copy bandwidth, and
-the measured step time as a multiple of that bound ("x bytes" in the table).
+The two compiled programs of `generate` are timed apart, each the best of --repeats calls after a
+compiling one: the prefill (prompts fed in chunks of --prefill-chunk tokens, 0 = one chunk) and
+the decode loop (`lax.while_loop`, N - 1 model steps after the token sampled from the prefill's
+logits), whose time over N - 1 is the decode time per step.
+
+Beside it, the step's own compute: one decode step of the same per-block model compiled alone and
+called back to back on its donated cache ("step alone", best of --repeats means over 20 calls),
+and the loop's time per token as a multiple of it ("loop / step": what the loop, sampling and
+bookkeeping add; < 1 where the loop's program schedules better than the lone step). XLA's
+cost-analysis bytes are not shown: they count every in-place cache write as a full read and
+write of the buffer, so they overstate a decode step several times over.
 """
 
 from __future__ import annotations
@@ -26,20 +32,11 @@ import numpy as np
 from flax import nnx
 
 from aiinfra_jax.config import apply_overrides, load_config
-from aiinfra_jax.generate import _decode_step, generate, prefill
+from aiinfra_jax.generate import _decode_loop, _decode_step, prefill
 from aiinfra_jax.models import Transformer
 
 PRESETS = {"tiny": ("configs/tiny.py", []), "nsa_tiny": ("configs/nsa_tiny.py", []),
            "attnres": ("configs/tiny.py", ["model.residual=attnres_block"])}
-
-
-def copy_bandwidth(mbytes: int = 256, repeats: int = 5) -> float:
-    """Bytes/s of a jitted x + 1 over a float32 buffer of `mbytes` MB (one read, one write)."""
-    x = jnp.zeros((mbytes * 2**20 // 4,), jnp.float32)
-    f = jax.jit(lambda a: a + 1)
-    f(x).block_until_ready()
-    best = min(_timed(lambda: f(x).block_until_ready()) for _ in range(repeats))
-    return 2 * x.nbytes / best
 
 
 def _timed(fn) -> float:
@@ -48,43 +45,54 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def step_bytes(model, prompts: np.ndarray, new_tokens: int) -> float:
-    """Bytes accessed by one compiled decode step (XLA cost analysis) after a prefill."""
+def step_alone(model, prompts: np.ndarray, new_tokens: int, repeats: int) -> float:
+    """Seconds of one compiled decode step (the per-block model generate's loop runs), called back
+    to back on its own donated cache: best over `repeats` of the mean of 20 calls."""
     batch, ctx = prompts.shape
     lengths = jnp.full((batch,), ctx, jnp.int32)
-    _, cache = prefill(model, prompts, lengths, ctx + new_tokens)
-    # the per-block model that generate's decode loop runs (its parameter slices are taken once
-    # per call, outside the loop, so they are not part of a step)
-    graphdef, state = nnx.split(model.unscanned())
-    compiled = _decode_step.lower(graphdef, state, cache, jnp.zeros((batch,), jnp.int32),
-                                  lengths).compile()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return float(cost.get("bytes accessed", float("nan")))
+    _, cache = prefill(model, prompts, lengths, ctx + 1 + 20 * repeats)
+    unscanned = getattr(model, "unscanned", None)  # (older code: no such method)
+    graphdef, state = nnx.split(model if unscanned is None else unscanned())
+    tokens = jnp.ones((batch,), jnp.int32)
+    _, cache = _decode_step(graphdef, state, cache, tokens, lengths)  # compile
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for i in range(20):
+            logits, cache = _decode_step(graphdef, state, cache, tokens, lengths)
+        logits.block_until_ready()
+        best = min(best, (time.perf_counter() - start) / 20)
+    return best
 
 
 def measure(preset: str, ctx: int, batch: int, new_tokens: int, repeats: int,
-            overrides: list[str], bandwidth: float, prefill_chunk: int | None = None) -> dict:
+            overrides: list[str], prefill_chunk: int | None = None) -> dict:
     path, extra = PRESETS.get(preset, (f"configs/{preset}.py", []))
     cfg = apply_overrides(load_config(path), extra + overrides
-                          + [f"model.max_seq_len={ctx + new_tokens}"])
+                          + [f"model.max_seq_len={ctx + max(new_tokens, 1 + 20 * repeats)}"])
     model = Transformer(cfg.model.with_vocab(cfg.model.vocab_size or 256), rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     prompts = rng.integers(1, 200, (batch, ctx)).astype(np.int32)
-    lengths = np.full((batch,), ctx, np.int32)
+    lengths = jnp.full((batch,), ctx, jnp.int32)
+    graphdef, state = nnx.split(model)
 
-    def best(n: int) -> float:
-        run = lambda: generate(model, (prompts, lengths), max_new_tokens=n,
-                               prefill_chunk=prefill_chunk).tokens.block_until_ready()
-        run()  # compile
-        return min(_timed(run) for _ in range(repeats))
+    def run_prefill():
+        logits, cache = prefill(model, prompts, lengths, ctx + new_tokens, chunk_size=prefill_chunk)
+        return jax.block_until_ready((logits, cache))
 
-    one, many = best(1), best(new_tokens)
-    step = (many - one) / (new_tokens - 1)
-    nbytes = step_bytes(model, prompts, new_tokens)
+    def run_decode(logits, cache):
+        out = _decode_loop(graphdef, state, cache, logits, lengths, new_tokens, 0.0, 1.0, None, 0,
+                           None)
+        jax.block_until_ready(out)
+
+    logits, cache = run_prefill()  # compile
+    run_decode(logits, cache)
+    one = min(_timed(run_prefill) for _ in range(repeats))
+    step = min(_timed(lambda: run_decode(logits, cache)) for _ in range(repeats)) / (new_tokens - 1)
+    alone = step_alone(model, prompts, new_tokens, repeats)
     return {"preset": preset, "context": ctx, "batch": batch, "prefill_tok_s": batch * ctx / one,
-            "step_ms": step * 1e3, "decode_tok_s": batch / step, "step_mb": nbytes / 1e6,
-            "x_bytes": step / (nbytes / bandwidth)}
+            "step_ms": step * 1e3, "decode_tok_s": batch / step, "alone_ms": alone * 1e3,
+            "loop_over_step": step / alone}
 
 
 def main(argv=None) -> int:
@@ -99,22 +107,21 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.new_tokens < 2:
         ap.error("--new-tokens must be >= 2 (decode time is a difference of two runs)")
-    bandwidth = copy_bandwidth()
     print(f"# generate throughput, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, "
-          f"jax {jax.__version__} on {jax.devices()[0].platform}, copy bandwidth "
-          f"{bandwidth / 1e9:.1f} GB/s; command: python -m aiinfra_jax.eval.bench_generate "
-          f"{' '.join(argv if argv is not None else sys.argv[1:])}")
+          f"jax {jax.__version__} on {jax.devices()[0].platform}; command: python -m "
+          f"aiinfra_jax.eval.bench_generate {' '.join(argv if argv is not None else sys.argv[1:])}")
     print("| preset | context | batch | prefill tok/s | decode ms/step | decode tok/s | "
-          "step MB | x bytes |")
+          "step alone ms | loop / step |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for preset in args.presets.split(","):
         for ctx in (int(c) for c in args.contexts.split(",")):
             for batch in (int(b) for b in args.batches.split(",")):
                 r = measure(preset, ctx, batch, args.new_tokens, args.repeats, args.overrides,
-                            bandwidth, args.prefill_chunk or None)
+                            args.prefill_chunk or None)
                 print(f"| {r['preset']} | {r['context']} | {r['batch']} | "
                       f"{r['prefill_tok_s']:,.0f} | {r['step_ms']:.2f} | "
-                      f"{r['decode_tok_s']:,.0f} | {r['step_mb']:.1f} | {r['x_bytes']:.1f} |",
+                      f"{r['decode_tok_s']:,.0f} | {r['alone_ms']:.2f} | "
+                      f"{r['loop_over_step']:.2f} |",
                       flush=True)
     return 0
 

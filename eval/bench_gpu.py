@@ -335,12 +335,8 @@ def _parity_block_selection(b, t, seq_len, hkv, g, dk, l, d, lp, remap, dtype, o
 
 def _parity_depth(Q, S, B, T, D, dtype, n_valid):
     def run(rng, pallas, opts):
-        q = jnp.asarray(rng.normal(size=(Q, D)), jnp.float32)
-        src = rng.normal(size=(S, B, T, D)) * rng.uniform(0.3, 3.0, (S, B, T, 1))
-        src[n_valid:] = 1e3 * rng.normal(size=(S - n_valid, B, T, D))   # junk in unused slots
-        src = jnp.asarray(src, jnp.float32).astype(dtype)
-        do = jnp.asarray(rng.normal(size=(Q, B, T, D)), jnp.float32)
-        dlse = jnp.asarray(rng.normal(size=(Q, B, T)), jnp.float32)
+        q, src, do, dlse = _testing.depth_attention_inputs(rng, Q=Q, S=S, B=B, T=T, D=D,
+                                                           dtype=dtype, n_valid=n_valid)
         n = jnp.int32(n_valid)
         cot = lambda out, do, dlse: (do.astype(out[0].dtype), dlse)  # noqa: E731
         kern = lambda q, s: depth_attention(q, s, n, return_lse=True, **pallas)  # noqa: E731

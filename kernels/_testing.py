@@ -32,3 +32,16 @@ def assert_close(actual, expected, dtype, what: str = "output") -> None:
     err = rel_err(actual, expected)
     tol = tolerance(dtype)
     assert err <= tol, f"{what}: relative error {err:.3e} > tolerance {tol:.1e} ({jnp.dtype(dtype).name})"
+
+
+def depth_attention_inputs(rng: np.random.Generator, *, Q, S, B, T, D, dtype, n_valid):
+    """Random depth_attention operands (tests and eval/bench_gpu): queries q [Q,D] float32, sources
+    [S,B,T,D] in `dtype` with per-token scales in [0.3, 3) and junk of magnitude 1e3 in the unused
+    slots >= n_valid, and cotangents do [Q,B,T,D], dlse [Q,B,T] float32."""
+    q = jnp.asarray(rng.normal(size=(Q, D)), jnp.float32)
+    src = rng.normal(size=(S, B, T, D)) * rng.uniform(0.3, 3.0, (S, B, T, 1))
+    src[n_valid:] = 1e3 * rng.normal(size=(S - n_valid, B, T, D))
+    src = jnp.asarray(src, jnp.float32).astype(dtype)
+    do = jnp.asarray(rng.normal(size=(Q, B, T, D)), jnp.float32)
+    dlse = jnp.asarray(rng.normal(size=(Q, B, T)), jnp.float32)
+    return q, src, do, dlse

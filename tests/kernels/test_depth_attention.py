@@ -27,15 +27,8 @@ def _seed() -> int:
     return int(np.random.default_rng().integers(2**31))
 
 
-def _inputs(seed, *, Q, S, B, T, D, dtype, n_valid):
-    rng = np.random.default_rng(seed)
-    q = jnp.asarray(rng.normal(size=(Q, D)), jnp.float32)
-    src = rng.normal(size=(S, B, T, D)) * rng.uniform(0.3, 3.0, (S, B, T, 1))
-    src[n_valid:] = 1e3 * rng.normal(size=(S - n_valid, B, T, D))      # junk in unused slots
-    src = jnp.asarray(src, jnp.float32).astype(dtype)
-    do = jnp.asarray(rng.normal(size=(Q, B, T, D)), jnp.float32)
-    dlse = jnp.asarray(rng.normal(size=(Q, B, T)), jnp.float32)
-    return q, src, do, dlse
+def _inputs(seed, **shapes):
+    return _testing.depth_attention_inputs(np.random.default_rng(seed), **shapes)
 
 
 def _run(fn, q, src, do, dlse):
