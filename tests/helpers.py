@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from aiinfra_jax.config import load_config
@@ -50,3 +52,35 @@ def cli_args(tmp_path, *extra) -> list[str]:
     for kv in TINY + [f"run.output_dir={tmp_path}"] + list(extra):
         args += ["--set", kv]
     return args
+
+
+def assert_ffn_matches_reference(m, reference, x, seg, ct, *, atol: float) -> jax.Array:
+    """An MoE-style FFN module m (moe / deamoe: params, an optional routing `bias`) against
+    reference(params_dict, x, seg) -> y: outputs, and gradients of sum(y * ct) for every parameter
+    and for x (rtol 1e-5 / 1e-4 on outputs / gradients, the given atol). Every parameter, router
+    included, must get a nonzero gradient. Returns our y."""
+    from flax import nnx
+
+    graphdef, params, rest = nnx.split(m, nnx.Param, ...)
+
+    def ours(p, x):
+        y = nnx.merge(graphdef, p, rest)(x, segment_ids=seg)
+        return jnp.sum(y * ct), y
+
+    def theirs(p, x):
+        p = nnx.to_pure_dict(p)
+        if m.bias is not None:
+            p["bias"] = m.bias[...]
+        y = reference(p, x, seg)
+        return jnp.sum(y * ct), y
+
+    (_, y1), g1 = jax.jit(jax.value_and_grad(ours, (0, 1), has_aux=True))(params, x)
+    (_, y2), g2 = jax.jit(jax.value_and_grad(theirs, (0, 1), has_aux=True))(params, x)
+    np.testing.assert_allclose(y1, y2, rtol=1e-5, atol=atol)
+    ref = dict(jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(g2[0])))
+    for path, a in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(g1[0])):
+        name = jax.tree_util.keystr(path)
+        np.testing.assert_allclose(a, ref[path], rtol=1e-4, atol=atol, err_msg=name)
+        assert float(jnp.abs(a).max()) > 0, name  # every weight (router included) gets gradient
+    np.testing.assert_allclose(g1[1], g2[1], rtol=1e-4, atol=atol)
+    return y1

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from helpers import assert_ffn_matches_reference
 from aiinfra_jax.config import runtime_keys
 from aiinfra_jax.models import ModelConfig, auxiliary
 from aiinfra_jax.models.layers import SwiGLU
@@ -174,31 +175,10 @@ def test_dropless_grouped_matmul_equals_dense_loop_forward_and_grads(case):
     if m.bias is not None:
         m.bias[...] = jnp.asarray(np.random.default_rng(7).normal(0, 0.2, m.bias.shape),
                                   jnp.float32)
-    graphdef, params, rest = nnx.split(m, nnx.Param, ...)
     x, seg = _x(), _segments()
-    ct = _x(3)
-
-    def ours(p, x):
-        y = nnx.merge(graphdef, p, rest)(x, segment_ids=seg)
-        return jnp.sum(y * ct), y
-
-    def theirs(p, x):
-        p = nnx.to_pure_dict(p)
-        if m.bias is not None:
-            p["bias"] = m.bias[...]
-        y = _dense_reference(p, x, seg, c)
-        return jnp.sum(y * ct), y
-
-    (_, y1), g1 = jax.jit(jax.value_and_grad(ours, (0, 1), has_aux=True))(params, x)
-    (_, y2), g2 = jax.jit(jax.value_and_grad(theirs, (0, 1), has_aux=True))(params, x)
-    np.testing.assert_allclose(y1, y2, rtol=1e-5, atol=1e-6)
+    y1 = assert_ffn_matches_reference(m, lambda p, x, seg: _dense_reference(p, x, seg, c), x, seg,
+                                      _x(3), atol=1e-6)
     assert float(jnp.abs(y1).max()) > 0.1
-    for path, a in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(g1[0])):
-        b = jax.tree_util.keystr(path)
-        ref = dict(jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(g2[0])))[path]
-        np.testing.assert_allclose(a, ref, rtol=1e-4, atol=1e-6, err_msg=b)
-        assert float(jnp.abs(a).max()) > 0, b  # every weight (router included) gets gradient
-    np.testing.assert_allclose(g1[1], g2[1], rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("implementation", ["ragged_dot", "blocked", None])
