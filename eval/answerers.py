@@ -42,6 +42,10 @@ class ModelAnswerer:
     def __init__(self, model: Any, tokenizer: Any, *, prefill_chunk: int | None = None,
                  warmup: bool = False):
         self.model, self.tokenizer = model, tokenizer
+        # Per-block parameters, sliced once here: decode_step on a layer-scanned model would
+        # slice them inside every step's program (Transformer.unscanned).
+        unscanned = getattr(model, "unscanned", None)
+        self._decoder = model if unscanned is None else unscanned()
         self.prefill_chunk, self.warmup = prefill_chunk, warmup
         cfg = getattr(model, "cfg", None)
         self.max_seq_len = getattr(cfg, "max_seq_len", None)
@@ -60,7 +64,7 @@ class ModelAnswerer:
         batch, seq = tokens.shape
         eos = self.tokenizer.eos_id
         t0 = time.perf_counter()
-        logits, cache = prefill(self.model, tokens, lengths, seq + max_new,
+        logits, cache = prefill(self._decoder, tokens, lengths, seq + max_new,
                                 chunk_size=self.prefill_chunk)
         next_tok = self._greedy(logits)
         t1 = time.perf_counter()
@@ -73,7 +77,7 @@ class ModelAnswerer:
             done |= next_tok == eos
             if done.all() or step == max_new - 1 or (not timed and steps == 1):
                 break
-            logits, cache = decode_step(self.model, cache, next_tok, pos)
+            logits, cache = decode_step(self._decoder, cache, next_tok, pos)
             next_tok = self._greedy(logits)
             pos += 1
             steps += 1

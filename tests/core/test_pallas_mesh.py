@@ -6,7 +6,6 @@ and heads split), which the jaxpr must show."""
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -22,7 +21,8 @@ NSA = NSAConfig(cmp_block_len=8, cmp_stride=4, sel_block_size=16, n_selected=3, 
 BASE = ModelConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
                    max_seq_len=T)
 CASES = {
-    "nsa": (dataclasses.replace(BASE, mixers=("nsa",), nsa=NSA), "nsa"),
+    # One NSA layer: the kernels and their shard_map are the same in every layer.
+    "nsa": (dataclasses.replace(BASE, mixers=("nsa",), nsa=NSA, n_layers=1), "nsa"),
     "attnres": (dataclasses.replace(BASE, residual="attnres_block",
                                     attnres=AttnResConfig(n_blocks=2)), "attnres"),
 }
