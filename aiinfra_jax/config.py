@@ -177,6 +177,10 @@ class CheckpointConfig:
     # section may differ where the state keeps its shapes (e.g. nsa.window_heads), and every
     # difference is printed. Read only; the source run is never written. A run that already has
     # checkpoints of its own resumes from them instead.
+    # Parameters only, from another architecture or another framework (aiinfra_jax/surgery.py):
+    # "hf:DIR" (a local Hugging Face Llama checkpoint) or "params:RUN" (a run of any model): the
+    # tensors that fit are copied or adapted (dense attention -> NSA / gated-delta projections),
+    # the rest initialised, every one listed in RUN_DIR/initialize.json; step 0, fresh optimizer.
     initialize_from: str = ""
 
     def __post_init__(self):

@@ -3,6 +3,9 @@
     python -m aiinfra_jax.export --checkpoint runs/tiny [--step N] --format safetensors --out DIR
         [--max-shard-size 5GB] [--force] [--set model.dense.implementation=xla] [--debug]
     python -m aiinfra_jax.export --checkpoint runs/tiny --format hf --out DIR
+    python -m aiinfra_jax.export --checkpoint runs/nsa_tiny --format stablehlo --out DIR
+        [--platforms cpu,cuda,tpu] [--max-len N] [--batch-size 8] [--prompt-lengths 16,64,...]
+    python -m aiinfra_jax.export --checkpoint runs/tiny --format onnx --out DIR
 
 Formats:
   safetensors  every model: its parameters (and non-parameter state, e.g. a routing bias) as
@@ -15,6 +18,17 @@ Formats:
                and tokenizer_config.json that `transformers.AutoModelForCausalLM` and
                `AutoTokenizer` load (the layout and the mapping: aiinfra_jax/hf.py). Any other
                model is refused, naming the parts Llama cannot express.
+  stablehlo    every model with a decoding cache (NSA, Gated DeltaNet / KDA, dense; not MSA yet):
+               the safetensors files, config.json and tokenizer as above, plus jax.export
+               artifacts of the prefill and the decode step per platform (cpu, cuda, tpu; the
+               accelerators' with their Pallas kernels), stablehlo.json (signature, shapes, cache
+               layout) and run_stablehlo.py, which generates with jax alone:
+               python DIR/run_stablehlo.py DIR --prompt 1,2,3 --max-new-tokens 16
+               (aiinfra_jax/export_stablehlo.py: what is symbolic, what is fixed, and why).
+  onnx         dense models (the ones hf takes): model.onnx (+ model.onnx.data above 1 MB) of the
+               forward tokens [batch, seq] -> logits [batch, seq, V] through jax2onnx, checked in
+               onnxruntime against the JAX model before it is kept, plus config.json and the
+               tokenizer (aiinfra_jax/export_onnx.py; needs the onnx extra).
 
 Files. The tensors go to model.safetensors; above --max-shard-size (default 5GB) they are split,
 as Hugging Face does, into model-00001-of-0000N.safetensors, ... with model.safetensors.index.json
@@ -80,7 +94,7 @@ from aiinfra_jax.steps import abstract_model, init_variables, merge_model
 __all__ = ["ExportError", "FORMATS", "export", "load_safetensors", "main", "model_tensors",
            "read_safetensors", "tensor_shapes", "tree_from_tensors", "write_safetensors"]
 
-FORMATS = ("safetensors", "hf")
+FORMATS = ("safetensors", "hf", "stablehlo", "onnx")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 MANIFEST = "export.json"
@@ -369,23 +383,31 @@ def _write_tokenizer(tmp: Path, spec: str, fmt: str, max_len: int, say: Say
     return name, info
 
 
-def _check_hf_early(folder: Path, step: int | None) -> None:
-    """Refuses a model Llama cannot express from its saved config, before reading any array."""
+def _check_dense_early(folder: Path, step: int | None, fmt: str) -> None:
+    """Refuses a model that format hf / onnx cannot express from its saved config, before
+    reading any array."""
     with Checkpointer(folder, config={}, async_save=False, read_only=True) as reader:
         step, saved = reader.saved_config(step)
     try:
         model_cfg = from_dict(saved).model
     except ConfigError as e:
         raise ConfigError(f"checkpoint {folder}/{step}: {e}") from e
-    hf.check_expressible(model_cfg, f"the model of checkpoint {folder}/{step}")
+    what = f"the model of checkpoint {folder}/{step}"
+    if fmt == "onnx":
+        from aiinfra_jax.export_onnx import check_dense  # pylint: disable=import-outside-toplevel
+        check_dense(model_cfg, what)
+    else:
+        hf.check_expressible(model_cfg, what)
 
 
 def export(source: str | Path, out: str | Path, *, fmt: str = "safetensors",
            step: int | None = None, overrides: Sequence[str] = (), force: bool = False,
-           max_shard_bytes: int | str = DEFAULT_MAX_SHARD, say: Say = print) -> dict[str, Any]:
+           max_shard_bytes: int | str = DEFAULT_MAX_SHARD, say: Say = print,
+           stablehlo: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Exports the checkpoint `source` (a run directory, its checkpoints folder or one step
     folder) to the directory `out` in format `fmt` (see the module docstring); returns what
-    export.json records."""
+    export.json records. stablehlo: keyword arguments of export_stablehlo.write_stablehlo
+    (platforms, max_len, batch_size, prompt_lengths)."""
     if fmt not in FORMATS:
         raise ExportError(f"--format={fmt!r}: valid formats: {', '.join(FORMATS)}")
     if jax.process_count() > 1:
@@ -396,8 +418,8 @@ def export(source: str | Path, out: str | Path, *, fmt: str = "safetensors",
     _prepare_out(out, force)
     folder, source_step = checkpoint_source(source, "--checkpoint")
     step = step if step is not None else source_step
-    if fmt == "hf":
-        _check_hf_early(folder, step)
+    if fmt in ("hf", "onnx"):
+        _check_dense_early(folder, step, fmt)
     loaded = load_model(source, step=step, overrides=overrides)
     cfg = loaded.config
     tensors, state_names = model_tensors(loaded.model)
@@ -418,8 +440,15 @@ def export(source: str | Path, out: str | Path, *, fmt: str = "safetensors",
     tmp.mkdir()
     try:
         say(f"writing {fmt} to {out}")
-        files = write_safetensors(tmp, tensors, max_shard_bytes=max_shard_bytes,
-                                  metadata=metadata, say=say)
+        extra: dict[str, Any] = {}
+        if fmt == "onnx":
+            from aiinfra_jax.export_onnx import write_onnx  # pylint: disable=C0415
+            extra["onnx"] = write_onnx(loaded, tmp, say=say,
+                                       what=f"the model of checkpoint {folder}/{loaded.step}")
+            files = extra["onnx"]["files"]
+        else:
+            files = write_safetensors(tmp, tensors, max_shard_bytes=max_shard_bytes,
+                                      metadata=metadata, say=say)
         tok_spec, tok_info = _write_tokenizer(tmp, cfg.data.tokenizer, fmt,
                                               cfg.model.max_seq_len, say)
         if fmt == "hf":
@@ -430,6 +459,9 @@ def export(source: str | Path, out: str | Path, *, fmt: str = "safetensors",
                 cfg, mesh=cfg.mesh.without_launch(),
                 data=dataclasses.replace(cfg.data, tokenizer=tok_spec)))
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if fmt == "stablehlo":  # reads the safetensors files and config written above
+            from aiinfra_jax.export_stablehlo import write_stablehlo  # pylint: disable=C0415
+            extra = write_stablehlo(loaded, tmp, say=say, **(stablehlo or {}))
         total = int(sum(a.nbytes for a in tensors.values()))
         manifest = {
             "format": fmt,
@@ -438,7 +470,7 @@ def export(source: str | Path, out: str | Path, *, fmt: str = "safetensors",
             "source": str(folder), "step": loaded.step,
             "created": datetime.datetime.now().isoformat(timespec="seconds"),
             "files": files, "tensors": len(tensors), "bytes": total,
-            "state_tensors": state_names, "tokenizer": tok_info,
+            "state_tensors": state_names, "tokenizer": tok_info, **extra,
         }
         (tmp / MANIFEST).write_text(hf.dumps(manifest))
         if out.exists():
@@ -497,6 +529,17 @@ def load_safetensors(directory: str | Path, *, overrides: Sequence[str] = ()) ->
 
 # ----------------------------------------------------------------------------- command line
 
+def _stablehlo_args(args) -> dict[str, Any]:
+    try:
+        lengths = tuple(int(x) for x in args.prompt_lengths.split(",") if x.strip())
+    except ValueError as e:
+        raise ExportError(f"--prompt-lengths={args.prompt_lengths!r}: give comma-separated "
+                          "token counts, e.g. 16,64,256") from e
+    return {"platforms": tuple(p for p in args.platforms.split(",") if p),
+            "max_len": args.max_len, "batch_size": args.batch_size,
+            "prompt_lengths": lengths or None}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", required=True,
@@ -509,6 +552,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--force", action="store_true", help="replace an earlier export in --out")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="run-time settings of the model, e.g. --set model.dtype=float32")
+    ap.add_argument("--platforms", default="cpu,cuda,tpu",
+                    help="stablehlo: the platforms to lower for (default cpu,cuda,tpu)")
+    ap.add_argument("--max-len", type=int, default=None,
+                    help="stablehlo: cache length in tokens (default: model.max_seq_len)")
+    ap.add_argument("--batch-size", type=int, default=8,
+                    help="stablehlo: the batch of models whose batch cannot be symbolic")
+    ap.add_argument("--prompt-lengths", default="",
+                    help="stablehlo: prefill buckets, e.g. 16,64,256 (default: powers of two)")
     add_debug_flag(ap)
     args = ap.parse_args(argv)
     if not args.debug:
@@ -516,7 +567,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         export(args.checkpoint, args.out, fmt=args.fmt, step=args.step,
                overrides=args.overrides, force=args.force,
-               max_shard_bytes=args.max_shard_size, say=lambda s: print(s, flush=True))
+               max_shard_bytes=args.max_shard_size, say=lambda s: print(s, flush=True),
+               stablehlo=_stablehlo_args(args) if args.fmt == "stablehlo" else None)
     except BaseException as e:  # noqa: BLE001 -- a bug is re-raised with its traceback
         status = report_error(e, debug=args.debug, expected=(FileNotFoundError, ValueError))
         if status is None:

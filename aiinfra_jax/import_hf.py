@@ -27,6 +27,9 @@ The run directory gets:
                   must keep the imported shapes (use this config.json as its --config); its
                   optim section may differ where the optimizer state keeps its structure.
 
+To start a model of another architecture (NSA, gated-delta, ...) from the same directory without
+an import step: train.py --set checkpoint.initialize_from=hf:HF_DIR (aiinfra_jax/surgery.py).
+
 Failures are one `error: ...` line (aiinfra_jax.errors; --debug adds the traceback).
 """
 
@@ -55,6 +58,7 @@ from aiinfra_jax.errors import add_debug_flag, quiet_library_tracebacks, report_
 from aiinfra_jax.export import tree_from_tensors, human, read_safetensors
 from aiinfra_jax.hf import ExportError
 from aiinfra_jax.models.config import ModelConfig
+from aiinfra_jax.surgery import state_with_params
 
 __all__ = ["import_hf", "main"]
 
@@ -131,12 +135,7 @@ def import_hf(model_dir: str | Path, out: str | Path, *, overrides: Sequence[str
     used: set[str] = set()
     params = tree_from_tensors(nnx.to_pure_dict(trainer.abstract_params), ours, cfg.model,
                                 str(model_dir), used)
-    shardings = trainer.state_shardings
-    params = jax.tree.map(jax.device_put, params, shardings["params"])
-    opt_state = jax.jit(trainer.optimizer.init, out_shardings=shardings["opt_state"])(params)
-    state = {"params": params, "opt_state": opt_state,
-             "step": jax.device_put(jnp.int32(0), shardings["step"]),
-             "bad_step": jax.device_put(jnp.int32(0), shardings["bad_step"])}
+    state = state_with_params(trainer, params)
 
     if cfg.data.tokenizer != base.data.tokenizer:  # set by an override: kept as given
         tok_spec, tok_file = cfg.data.tokenizer, None

@@ -4,7 +4,8 @@
   one with summary.json, is never reused).
 - ``initialize_from``: the state another run's checkpoint hands a new run
   (``checkpoint.initialize_from``; the source is named as ``aiinfra_jax.load.checkpoint_source``
-  reads it).
+  reads it), or the parameters of an HF checkpoint or of a model of another architecture
+  (``hf:DIR``, ``params:RUN``: aiinfra_jax/surgery.py).
 - ``restore_run``: a (trainer, state) pair from a run directory's checkpoint, for evaluations that
   need the trainer (a model alone: ``aiinfra_jax.load.load_model``).
 - ``RunLock``: the exclusive lock a training run holds on its directory (``RUN_DIR/run.lock``).
@@ -27,6 +28,7 @@ from aiinfra_jax.checkpoint import Checkpointer, NoCheckpointError, config_diffe
 from aiinfra_jax.config import Config, ConfigError, load_run_config, to_dict
 from aiinfra_jax.errors import RunLockedError
 from aiinfra_jax.load import checkpoint_source
+from aiinfra_jax.surgery import initialize_params, is_params_source, write_report
 from aiinfra_jax.trainer import Trainer
 
 
@@ -65,13 +67,22 @@ def choose_run_dir(cfg: Config) -> tuple[Path, bool]:
     return base / f"{name}-{k + 1}", False
 
 
-def initialize_from(trainer: Trainer, say) -> tuple[dict, dict | None]:
+def initialize_from(trainer: Trainer, say, run_dir: Path | None = None
+                    ) -> tuple[dict, dict | None]:
     """(state, data_state) of the checkpoint named by checkpoint.initialize_from (see
     CheckpointConfig). Config differences are allowed where the state keeps its tree, shapes and
     dtypes (checked by the restore) and printed; the data stream goes on only when the data
-    section is unchanged, else it starts at its first batch."""
+    section is unchanged, else it starts at its first batch. A parameters-only source (hf:DIR,
+    params:RUN) goes through aiinfra_jax/surgery.py instead: step 0, a fresh optimizer and data
+    stream, and the report of every tensor in run_dir/initialize.json."""
     cfg = trainer.cfg
     spec = cfg.checkpoint.initialize_from
+    if is_params_source(spec):
+        state, report = initialize_params(trainer, spec, say)
+        if run_dir is not None and jax.process_index() == 0:
+            Path(run_dir).mkdir(parents=True, exist_ok=True)
+            write_report(run_dir, report)
+        return state, None
     folder, step = checkpoint_source(spec, "checkpoint.initialize_from")
     try:
         source = Checkpointer(folder, config=to_dict(cfg), async_save=False, read_only=True)

@@ -222,7 +222,7 @@ def _starting_state(trainer: Trainer, ckpt: Checkpointer, run_dir: Path, resume:
             + ("; settings changed since that checkpoint:\n" + "\n".join(changed)
                if changed else ""))
         return state, data_state, True
-    state, data_state = (initialize_from(trainer, say) if cfg.checkpoint.initialize_from
+    state, data_state = (initialize_from(trainer, say, run_dir) if cfg.checkpoint.initialize_from
                          else (trainer.init_state(), None))
     say(f"new run in {run_dir}")
     return state, data_state, False

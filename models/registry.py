@@ -28,6 +28,11 @@ Mixer -- `cls(cfg: ModelConfig, *, rngs: nnx.Rngs)`
       scan_layers the repeats of a block share one structure): MSA sets its routing layers here.
   `flops_per_token(seq_len) -> float`: forward FLOPs per token at this context length (projection
       matmuls + attention score/value terms), so sparse mixers are counted honestly.
+  `from_dense(cfg, dense) -> {name: (array, dense name, how)}`: optional classmethod, for
+      architecture surgery (aiinfra_jax/surgery.py): what a dense attention layer's parameters
+      (dense: {"wq", "wk", "wv", "wo"} host arrays) give this mixer's parameters; the rest keep their
+      initialisation. NSA and the gated-delta mixers define it; a mixer whose parameters share the
+      dense names and shapes (MSA's wq/wk/wv/wo) needs none.
 
 FFN -- `cls(cfg, *, rngs)`; `__call__(x [B,T,D], *, segment_ids [B,T] int32 | None = None,
       rngs: nnx.Rngs | None = None) -> y [B,T,D]`; `flops_per_token() -> float`.

@@ -52,6 +52,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from aiinfra_jax.kernels.gated_delta import gated_delta_rule
@@ -183,6 +184,27 @@ class _GatedDelta(nnx.Module):
     """The layer of both mixers; `per_channel_decay` tells KDA (True) from GDN (False)."""
 
     per_channel_decay = False
+
+    @classmethod
+    def from_dense(cls, cfg: ModelConfig, dense: dict[str, Any]) -> dict[str, tuple[Any, str, str]]:
+        """What a dense attention layer's parameters give this layer, for architecture surgery
+        (aiinfra_jax/surgery.py): {our name: (array, dense name, how)}. The projections of
+        q, k, v and the output, as in attention-to-linear-attention conversions (e.g. "The Mamba
+        in the Llama"): w_q <- wq, w_o <- wo, and w_k / w_v <- wk / wv with each key/value head
+        repeated for the heads that share it (H / K, HV / K). The decay, beta, output gate,
+        convolution and norm keep their init. A dense tensor whose heads or widths do not fit is
+        left out (the layer then initialises that projection, and the report says so)."""
+        h, hv, kd, vd = cfg.gated_delta.dims(cfg)
+        out = {}
+        for ours, theirs, heads in (("w_q", "wq", h), ("w_k", "wk", h), ("w_v", "wv", hv)):
+            a = dense.get(theirs)  # [D, heads or K, Dh]
+            if a is not None and heads % a.shape[1] == 0:
+                reps = heads // a.shape[1]
+                out[ours] = (np.repeat(a, reps, axis=1), theirs,
+                             "copied" if reps == 1 else f"each head repeated {reps}x")
+        if "wo" in dense:
+            out["w_o"] = (dense["wo"], "wo", "copied")
+        return out
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg

@@ -271,6 +271,21 @@ class NSAttention(nnx.Module):
         self.cmp_b1 = nnx.Param(jnp.zeros((2, width), pdt), logical_axes=("nsa_kv", "nsa_mlp"))
         self.cmp_b2 = nnx.Param(jnp.zeros((2, dh), pdt), logical_axes=("nsa_kv", "head_dim"))
 
+    @classmethod
+    def from_dense(cls, cfg: ModelConfig, dense: dict[str, Any]) -> dict[str, tuple[Any, str, str]]:
+        """What a dense attention layer's parameters give this layer, for architecture surgery
+        (aiinfra_jax/surgery.py): {our name: (array, dense name, how)}. wq and wo as they are;
+        the dense wk / wv for each K/V branch (cmp, slc, win), so that every branch starts from
+        the dense layer's keys and values. The gates and compression MLPs keep their init."""
+        n_kv = 3 if cfg.nsa.separate_kv else 1
+        out = {name: (dense[name], name, "copied") for name in ("wq", "wo") if name in dense}
+        for name in ("wk", "wv"):
+            if name in dense:
+                a = dense[name]  # [D,K,Dh]
+                out[name] = (np.broadcast_to(a[:, None], (a.shape[0], n_kv) + a.shape[1:]), name,
+                             f"repeated for the {n_kv} K/V branch(es)")
+        return out
+
     # Pieces -----------------------------------------------------------------------------------
     def _project(self, x_btd: jax.Array, positions_bt: jax.Array):
         """q [B,T,H,Dh] (rotated), gates [B,T,H,3] float32, and per cache entry its new values

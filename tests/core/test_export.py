@@ -16,16 +16,18 @@ import numpy as np
 import pytest
 
 from aiinfra_jax import export as ex
-from aiinfra_jax import hf
+from aiinfra_jax import hf, surgery
 from aiinfra_jax.checkpoint import Checkpointer
-from aiinfra_jax.config import Config, from_dict, load_config, to_dict
+from aiinfra_jax.config import Config, ConfigError, from_dict, load_config, to_dict
 from aiinfra_jax.data.config import DataConfig
 from aiinfra_jax.data.tokenizer import ByteTokenizer, HFTokenizer
 from aiinfra_jax.import_hf import main as import_main
 from aiinfra_jax.load import load_model
+from aiinfra_jax.rundir import initialize_from
 from aiinfra_jax.models import ModelConfig, NSAConfig
 from aiinfra_jax.train import train
-from helpers import tiny
+from aiinfra_jax.trainer import Trainer
+from helpers import ROOT, tiny
 
 HF_SKIP = ("needs transformers and CPU torch (test-only): pip install -e '.[hf]' "
            "(torch==2.13.0 is the CPU wheel on this workplace's machines)")
@@ -100,6 +102,37 @@ def test_safetensors_round_trip_is_exact_and_named_per_layer(trained, tmp_path, 
     assert tok.encode(TEXT) == ByteTokenizer().encode(TEXT)
     assert (tok.bos_id, tok.eos_id, tok.pad_id) == (257, 258, 256)
     assert tok.decode(tok.encode(TEXT)) == TEXT
+
+
+def test_params_source_reads_a_run_by_the_export_naming(trained):
+    run_dir = trained[0]
+    source = surgery.read_source(f"params:{run_dir}")
+    want, _ = ex.model_tensors(load_model(run_dir).model)
+    assert sorted(source.tensors) == sorted(want) and source.model.n_layers == 2
+    for name, array in want.items():
+        np.testing.assert_array_equal(source.tensors[name], array)
+    with pytest.raises(ConfigError, match="give a directory after 'params:'"):
+        surgery.read_source("params:")
+
+
+def test_stablehlo_and_onnx_formats_from_the_command_line(trained, tmp_path, capsys):
+    """The CLI wiring of the two formats (their own tests: test_export_stablehlo.py,
+    test_export_onnx.py): the files, export.json, and the model loads back from either."""
+    run_dir, tokens, want = trained
+    out = tmp_path / "shlo"
+    assert ex.main(["--checkpoint", str(run_dir), "--format", "stablehlo", "--out", str(out),
+                    "--platforms", "cpu", "--prompt-lengths", "16", "--batch-size", "2"]) == 0
+    manifest = json.loads((out / "export.json").read_text())
+    assert manifest["format"] == "stablehlo" and manifest["stablehlo"]
+    assert {"stablehlo.json", "run_stablehlo.py", "model.safetensors"} <= {
+        p.name for p in out.iterdir()}
+    np.testing.assert_array_equal(_logits(ex.load_safetensors(out).model, tokens), want)
+    out = tmp_path / "onnx"
+    assert ex.main(["--checkpoint", str(run_dir), "--format", "onnx", "--out", str(out)]) == 0
+    manifest = json.loads((out / "export.json").read_text())
+    assert manifest["onnx"]["files"] == ["model.onnx"] and (out / "model.onnx").is_file()
+    assert "tokenizer.json" in {p.name for p in out.iterdir()}
+    capsys.readouterr()
 
 
 def test_sharded_export_force_and_refusals(trained, tmp_path, capsys):
@@ -288,3 +321,23 @@ def test_import_hf_matches_transformers_and_finetunes(tmp_path, capsys):
     summary = train(cfg, quiet=True)
     assert summary["start_step"] == 0 and summary["step"] == 2
     assert summary["run_dir"] != str(run) and np.isfinite(summary["final_train_loss"])
+
+    # Architecture surgery straight from the HF directory: the state a new NSA run starts from
+    # (aiinfra_jax/surgery.py through rundir.initialize_from, as train.py calls it; training it
+    # is the ordinary loop above) has K/V branches that start as the Llama k/v projections.
+    cfg = load_config(str(ROOT / "configs" / "nsa_tiny.py"), [
+        f"checkpoint.initialize_from=hf:{src}", f"data.tokenizer={run / 'tokenizer.json'}",
+        "model.d_model=48", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+        "model.head_dim=16", "model.d_ff=80", "model.rope_theta=500.0", "model.norm_eps=1e-5",
+        "model.tie_embeddings=true", "model.vocab_size=300", "mesh.num_devices=1"])
+    lines = []
+    state, data_state = initialize_from(Trainer(cfg), lines.append, tmp_path / "nsa")
+    assert data_state is None and int(state["step"]) == 0
+    assert "8 adapted" in lines[0] and "layers.0-1.mixer.cmp_w1" in "\n".join(lines)
+    report = json.loads((tmp_path / "nsa" / "initialize.json").read_text())
+    assert not report["unused"] and "layers.1.mixer.w_gate" in report["initialised"]
+    assert report["source"] == f"{src} (Hugging Face)"
+    wk = np.asarray(state["params"]["blocks"]["layers"][0]["mixer"]["wk"])  # [R,D,3,K,Dh]
+    k_proj = model.model.layers[1].self_attn.k_proj.weight.detach().numpy()  # [K*Dh, D]
+    for b in range(3):
+        np.testing.assert_array_equal(wk[1, :, b], k_proj.T.reshape(48, 2, 16))
