@@ -9,7 +9,7 @@ CONFIG ?= configs/nsa_tiny.py
 ARGS   ?=
 
 .PHONY: train test install install-dev bench-train bench-kernels bench-nsa bench-attnres bench-moe \
-	bench-generate bench-leapquant bench-gpu profile-step clean-venv
+	bench-generate bench-leapquant bench-gpu bench-surgery profile-step clean-venv
 
 $(VENV)/.stamp-base: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -71,6 +71,11 @@ bench-leapquant: $(VENV)/.stamp-base
 #           make bench-gpu PYTHON=.venv/bin/python ARGS=--lower-only          (lower every row for cuda)
 bench-gpu:
 	$(PYTHON) eval/bench_gpu.py $(ARGS)
+
+# NSA finetuned from a trained dense model (checkpoint.initialize_from=params:) vs NSA from scratch:
+# three tiny runs on the embedded corpus (about 25 minutes on 2 cores), loss curves as a PNG.
+bench-surgery: $(VENV)/.stamp-base
+	$(PY) -m aiinfra_jax.eval.bench_surgery $(ARGS)
 
 profile-step: $(VENV)/.stamp-base
 	$(PY) -m aiinfra_jax.eval.profile_step --config $(CONFIG) $(ARGS)
