@@ -40,8 +40,10 @@ class ModelAnswerer:
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, prefill_chunk: int | None = None,
-                 warmup: bool = False):
+                 warmup: bool = False, score_answers: bool = True):
         self.model, self.tokenizer = model, tokenizer
+        self.score_answers = score_answers
+        self._scores: tuple[tuple[int, ...], list[tuple[float, float]]] | None = None
         # Per-block parameters, sliced once here: decode_step on a layer-scanned model would
         # slice them inside every step's program (Transformer.unscanned).
         unscanned = getattr(model, "unscanned", None)
@@ -51,23 +53,51 @@ class ModelAnswerer:
         self.max_seq_len = getattr(cfg, "max_seq_len", None)
         self.vocab = int(tokenizer.vocab_size)
         self.timing = {"prefill_s": 0.0, "prefill_tokens": 0, "decode_s": 0.0, "decode_tokens": 0,
-                       "warmup_s": 0.0}
+                       "answer_scores_s": 0.0, "warmup_s": 0.0}
         self._seen: set[tuple[int, int, int]] = set()
 
     def _greedy(self, logits_bv: Any) -> np.ndarray:
         """Argmax over the tokenizer's ids only (the model's vocabulary is padded past them)."""
         return np.asarray(jax.device_get(logits_bv[:, :self.vocab].argmax(-1)), np.int32)
 
-    def _run(self, tokens: np.ndarray, lengths: np.ndarray, max_new: int, timed: bool
-             ) -> list[list[int]]:
-        """Greedy decoding; untimed (warm-up) runs stop after one decode step."""
+    def _answers(self, examples: Sequence[Example]) -> tuple[np.ndarray, np.ndarray]:
+        """(answer + EOS tokens [B,W] right-padded, their counts [B])."""
+        seqs = [np.append(ex.target_tokens, self.tokenizer.eos_id).astype(np.int32)
+                for ex in examples]
+        counts = np.array([a.size for a in seqs], np.int32)
+        answers = np.full((len(seqs), int(counts.max())), self.tokenizer.pad_id, np.int32)
+        for b, a in enumerate(seqs):
+            answers[b, :a.size] = a
+        return answers, counts
+
+    def _prefill(self, tokens: np.ndarray, lengths: np.ndarray, room: int):
+        return prefill(self._decoder, tokens, lengths, tokens.shape[1] + room,
+                       chunk_size=self.prefill_chunk)
+
+    def _score(self, logits, cache, lengths, answers: np.ndarray, counts: np.ndarray
+               ) -> list[tuple[float, float]]:
+        graphdef, state = nnx.split(self._decoder)
+        nll, hit = _answer_scores(graphdef, state, cache, logits, jnp.asarray(answers),
+                                  jnp.asarray(lengths), self.vocab)
+        nll, hit = np.asarray(nll), np.asarray(hit)
+        return [(float(nll[b, :n].mean()), float(hit[b, :n].mean()))
+                for b, n in enumerate(counts.tolist())]
+
+    def _run(self, tokens: np.ndarray, lengths: np.ndarray, max_new: int, timed: bool,
+             answers: tuple[np.ndarray, np.ndarray] | None = None
+             ) -> tuple[list[list[int]], list[tuple[float, float]] | None]:
+        """(greedy continuations, teacher-forced scores of `answers` or None); untimed (warm-up)
+        runs stop after one decode step. The scores come from the prompts' prefill cache before
+        decoding starts (see teacher_forced)."""
         batch, seq = tokens.shape
         eos = self.tokenizer.eos_id
         t0 = time.perf_counter()
-        logits, cache = prefill(self._decoder, tokens, lengths, seq + max_new,
-                                chunk_size=self.prefill_chunk)
+        room = max_new if answers is None else max(max_new, answers[0].shape[1])
+        logits, cache = self._prefill(tokens, lengths, room)
         next_tok = self._greedy(logits)
         t1 = time.perf_counter()
+        scores = None if answers is None else self._score(logits, cache, lengths, *answers)
+        t1s = time.perf_counter()
         out = np.full((batch, max_new), self.tokenizer.pad_id, np.int32)
         done = np.zeros(batch, bool)
         pos = lengths.astype(np.int32).copy()
@@ -85,13 +115,14 @@ class ModelAnswerer:
         if timed:
             self.timing["prefill_s"] += t1 - t0
             self.timing["prefill_tokens"] += int(batch * seq)
-            self.timing["decode_s"] += t2 - t1
+            self.timing["answer_scores_s"] += t1s - t1
+            self.timing["decode_s"] += t2 - t1s
             self.timing["decode_tokens"] += int(batch * steps)
         rows = []
         for b in range(batch):
             row = out[b].tolist()
             rows.append(row[:row.index(eos) + 1] if eos in row else row)
-        return rows
+        return rows, scores
 
     def __call__(self, examples: Sequence[Example], max_new_tokens: int) -> list[list[int]]:
         lengths = np.array([ex.prompt_tokens.size for ex in examples], np.int32)
@@ -101,50 +132,52 @@ class ModelAnswerer:
         if self.max_seq_len is not None and tokens.shape[1] + max_new_tokens > self.max_seq_len:
             raise ValueError(f"prompt of {tokens.shape[1]} tokens + {max_new_tokens} new tokens "
                              f"exceeds model.max_seq_len={self.max_seq_len}")
-        shape = (tokens.shape[0], tokens.shape[1], max_new_tokens)
+        answers = self._answers(examples) if self.score_answers else None
+        shape = (tokens.shape[0], tokens.shape[1], max_new_tokens,
+                 None if answers is None else answers[0].shape[1])
         if self.warmup and shape not in self._seen:
             t = time.perf_counter()
-            self._run(tokens, lengths, max_new_tokens, timed=False)
+            self._run(tokens, lengths, max_new_tokens, timed=False, answers=answers)
             self.timing["warmup_s"] += time.perf_counter() - t
         self._seen.add(shape)
-        return self._run(tokens, lengths, max_new_tokens, timed=True)
+        rows, scores = self._run(tokens, lengths, max_new_tokens, timed=True, answers=answers)
+        self._scores = None if scores is None else (tuple(map(id, examples)), scores)
+        return rows
 
     def teacher_forced(self, examples: Sequence[Example]) -> list[tuple[float, float]]:
-        """(answer_nll, answer_token_acc) per example: one forward pass over prompt + answer + EOS
-        (right-padded; causal, so the padding changes nothing), logits only at the answer."""
-        eos = self.tokenizer.eos_id
-        seqs = [np.concatenate([ex.prompt_tokens, ex.target_tokens, [eos]]).astype(np.int32)
-                for ex in examples]
-        starts = np.array([ex.prompt_tokens.size for ex in examples], np.int32)
-        width = max(s.size for s in seqs) - int(starts.min())
-        tokens = np.full((len(seqs), int(starts.max()) + width), self.tokenizer.pad_id,
-                         np.int32)
-        for b, sq in enumerate(seqs):
-            tokens[b, :sq.size] = sq
-        graphdef, state = nnx.split(self.model)
-        nll, hit = _answer_scores(graphdef, state, tokens, starts, width, self.vocab)
-        nll, hit = np.asarray(nll), np.asarray(hit)
-        out = []
-        for b, sq in enumerate(seqs):
-            n = sq.size - int(starts[b])  # answer tokens + EOS
-            out.append((float(nll[b, :n].mean()), float(hit[b, :n].mean())))
-        return out
+        """(answer_nll, answer_token_acc) per example, of the expected answer + EOS given the
+        prompt. From the prompts' prefill cache: the first answer token is scored by the
+        prefill's own logits, the others by one cached chunk of the answer tokens (a few dozen
+        tokens instead of a second forward over prompt + answer). With score_answers (the
+        default), `__call__` computes them on its way and this returns those for the same
+        examples; otherwise it runs the prefill itself."""
+        if self._scores is not None and self._scores[0] == tuple(map(id, examples)):
+            return self._scores[1]
+        lengths = np.array([ex.prompt_tokens.size for ex in examples], np.int32)
+        tokens = np.full((len(examples), int(lengths.max())), self.tokenizer.pad_id, np.int32)
+        for b, ex in enumerate(examples):
+            tokens[b, :lengths[b]] = ex.prompt_tokens
+        answers, counts = self._answers(examples)
+        logits, cache = self._prefill(tokens, lengths, answers.shape[1])
+        return self._score(logits, cache, lengths, answers, counts)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5))
-def _answer_scores(graphdef, state, tokens_bt, starts_b, width: int, vocab: int):
-    """Per row, for the `width` targets from starts_b on: -log p(target) and whether the greedy
-    choice (among the tokenizer's `vocab` ids) is the target. Only the gathered rows of hidden
-    states go through the output head."""
+@functools.partial(jax.jit, static_argnums=(0, 6))
+def _answer_scores(graphdef, state, cache, first_logits_bv, answers_bw, lengths_b, vocab: int):
+    """Per row, for the answer tokens answers_bw [B,W] (right-padded) that follow the prompt
+    whose prefill left `cache` and first_logits_bv: -log p(token) and whether the greedy choice
+    (among the tokenizer's `vocab` ids) is the token. Token 0 is scored by the prefill's logits,
+    tokens 1.. by one cached call on tokens 0..W-2 at the rows' lengths (the cache is not
+    donated: the caller decodes from it afterwards; the padding after a row's answer only
+    follows it, causally)."""
     model = nnx.merge(graphdef, state)
-    batch, seq = tokens_bt.shape
-    positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
-    x, _, _ = model.features(tokens_bt, positions=positions)
-    at = starts_b[:, None] - 1 + jnp.arange(width, dtype=jnp.int32)[None]  # predicts token at+1
-    h = jnp.take_along_axis(x, at[..., None], axis=1)
-    logits = model.logits(h).astype(jnp.float32)
-    target = jnp.take_along_axis(tokens_bt, at + 1, axis=1)
+    width = answers_bw.shape[1]
+    logits = first_logits_bv.astype(jnp.float32)[:, None]
+    if width > 1:
+        positions = lengths_b[:, None] + jnp.arange(width - 1, dtype=jnp.int32)[None]
+        rest, _, _ = model(answers_bw[:, :-1], positions=positions, cache=cache)
+        logits = jnp.concatenate([logits, rest.astype(jnp.float32)], axis=1)
     logp = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(logp, target[..., None], axis=-1)[..., 0]
-    hit = logits[..., :vocab].argmax(-1) == target
+    nll = -jnp.take_along_axis(logp, answers_bw[..., None], axis=-1)[..., 0]
+    hit = logits[..., :vocab].argmax(-1) == answers_bw
     return nll, hit

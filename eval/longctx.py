@@ -351,6 +351,8 @@ def markdown_table(result: dict[str, Any]) -> str:
                          f"{tm['prefill_tokens_per_s']:.0f} tokens/s; decode: "
                          f"{tm['decode_tokens']} tokens in {tm['decode_s']:.2f} s = "
                          f"{(tm.get('decode_tokens_per_s') or 0):.0f} tokens/s"
+                         + (f"; teacher-forced answer scores {tm['answer_scores_s']:.2f} s"
+                            if tm.get("answer_scores_s") else "")
                          + (f" (compilation warm-up {tm['warmup_s']:.1f} s excluded)."
                             if tm.get("warmup_s") else "."))
     return "\n".join(lines) + "\n"
@@ -408,7 +410,8 @@ def longctx_scores(model: Any, tokenizer: Any, cfg: LongCtxConfig | None = None
     defaults to ``small_grid()``. No files, no progress bar.
     """
     cfg = small_grid() if cfg is None else cfg
-    answerer = ModelAnswerer(model, tokenizer, prefill_chunk=cfg.prefill_chunk)
+    answerer = ModelAnswerer(model, tokenizer, prefill_chunk=cfg.prefill_chunk,
+                             score_answers=cfg.teacher_forced)
     res = run_longctx(answerer, tokenizer, cfg, progress=False)
     out: dict[str, float] = {}
     for t in cfg.tasks:
@@ -477,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         suffix = f"_without_{'_'.join(branches_off)}" if branches_off else ""
         out = Path(args.out) if args.out else run_dir / "longctx" / f"step_{step}{suffix}"
         answerer = ModelAnswerer(model, loaded.tokenizer, prefill_chunk=cfg.prefill_chunk,
-                                 warmup=not args.no_warmup)
+                                 warmup=not args.no_warmup, score_answers=cfg.teacher_forced)
         meta = {"run_dir": str(run_dir), "step": step,
                 "mixers": list(loaded.config.model.mixers), "branches_off": list(branches_off),
                 "tokenizer": run_cfg.data.tokenizer, "command": " ".join(sys.argv)}
