@@ -76,7 +76,6 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -88,6 +87,8 @@ from aiinfra_jax.data.tokenizer import load_tokenizer
 from aiinfra_jax.errors import add_debug_flag, quiet_library_tracebacks, report_error
 from aiinfra_jax.hf import ExportError
 from aiinfra_jax.load import LoadedModel, _resolve, checkpoint_source, load_model
+# The safetensors reader lives in the standalone runner (it may import nothing of ours).
+from aiinfra_jax.stablehlo_runner import read_weights
 from aiinfra_jax.models.config import ModelConfig
 from aiinfra_jax.steps import abstract_model, init_variables, merge_model
 
@@ -99,11 +100,6 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 MANIFEST = "export.json"
 DEFAULT_MAX_SHARD = "5GB"
-
-# safetensors dtype codes <-> numpy dtypes (bfloat16 is ml_dtypes', which JAX uses).
-_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16,
-           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-           "BOOL": np.bool_}
 
 Say = Callable[[str], None]
 
@@ -259,63 +255,11 @@ def write_safetensors(directory: Path, tensors: Mapping[str, np.ndarray], *,
     return files
 
 
-def _read_file(path: Path) -> dict[str, np.ndarray]:
-    """The tensors of one .safetensors file as read-only views of a memory map (lazy: nothing
-    is read until used)."""
-    size = path.stat().st_size
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if n < 0 or 8 + n > size:
-                raise ValueError("the header length is out of range")
-            header = json.loads(f.read(n))
-    except (OSError, ValueError) as e:
-        raise ExportError(f"{path} is not a readable safetensors file ({e})") from e
-    header.pop("__metadata__", None)
-    body = (np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if size > 8 + n
-            else np.zeros(0, np.uint8))
-    out = {}
-    for name, info in header.items():
-        dtype = _DTYPES.get(info.get("dtype"))
-        if dtype is None:
-            raise ExportError(f"{path}: tensor {name!r} has dtype {info.get('dtype')!r}; "
-                              f"readable: {sorted(_DTYPES)}")
-        shape = tuple(info["shape"])
-        start, stop = info["data_offsets"]
-        if stop > body.size or stop - start != int(np.prod(shape)) * np.dtype(dtype).itemsize:
-            raise ExportError(f"{path}: tensor {name!r} lies outside the file or has the wrong "
-                              "size; the file is truncated or damaged")
-        out[name] = body[start:stop].view(dtype).reshape(shape)
-    return out
-
-
 def read_safetensors(directory: str | Path) -> dict[str, np.ndarray]:
     """Every tensor of a directory's model.safetensors, or of the shards its
     model.safetensors.index.json names (read-only memory-mapped arrays)."""
-    d = Path(directory)
-    index = d / INDEX_FILE
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as e:
-            raise ExportError(f"{index} is not a safetensors index ({e})") from e
-        files = sorted(set(weight_map.values()))
-    elif (d / SINGLE_FILE).exists():
-        weight_map, files = None, [SINGLE_FILE]
-    else:
-        raise ExportError(f"{d} holds neither {SINGLE_FILE} nor {INDEX_FILE}; pass the directory "
-                          "an export (or save_pretrained) wrote")
-    tensors: dict[str, np.ndarray] = {}
-    for file in files:
-        if not (d / file).exists():
-            raise ExportError(f"{d / file} is missing (named by {INDEX_FILE})")
-        tensors.update(_read_file(d / file))
-    if weight_map is not None:
-        missing = sorted(set(weight_map) - set(tensors))
-        if missing:
-            raise ExportError(f"{d}: tensors {missing[:5]} named by {INDEX_FILE} are in no file")
-    return tensors
+    return read_weights(directory, error=ExportError,
+                        fix="pass the directory an export (or save_pretrained) wrote")
 
 
 # ----------------------------------------------------------------------------- export

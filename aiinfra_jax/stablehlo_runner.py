@@ -44,7 +44,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-__all__ = ["StableHLOError", "StableHLOModel", "generate", "load", "main", "read_weights"]
+__all__ = ["StableHLOError", "StableHLOModel", "generate", "load", "main",
+           "read_safetensors_file", "read_weights"]
 
 FORMAT = "aiinfra_jax.stablehlo"
 VERSION = 1
@@ -64,7 +65,11 @@ class StableHLOError(ValueError):
 
 # ----------------------------------------------------------------------------- weights
 
-def _read_file(path: Path) -> dict[str, np.ndarray]:
+def read_safetensors_file(path: Path, *, error: type[Exception] = StableHLOError,
+                          fix: str = "export again") -> dict[str, np.ndarray]:
+    """The tensors of one .safetensors file as read-only views of a memory map (lazy: nothing is
+    read until used). A file that cannot be read raises `error`, its message ending in `fix`.
+    (aiinfra_jax.export reads through this too, with its own error and fix: one reader.)"""
     size = path.stat().st_size
     try:
         with open(path, "rb") as f:
@@ -74,8 +79,7 @@ def _read_file(path: Path) -> dict[str, np.ndarray]:
                 raise ValueError("the header length is out of range")
             header = json.loads(f.read(n))
     except (OSError, ValueError) as e:
-        raise StableHLOError(f"{path} is not a readable safetensors file ({e}); export again") \
-            from e
+        raise error(f"{path} is not a readable safetensors file ({e}); {fix}") from e
     header.pop("__metadata__", None)
     body = (np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if size > 8 + n
             else np.zeros(0, np.uint8))
@@ -83,42 +87,43 @@ def _read_file(path: Path) -> dict[str, np.ndarray]:
     for name, info in header.items():
         dtype = _DTYPES.get(info.get("dtype"))
         if dtype is None:
-            raise StableHLOError(f"{path}: tensor {name!r} has dtype {info.get('dtype')!r}, "
-                                 f"which this runner does not read ({sorted(_DTYPES)})")
+            raise error(f"{path}: tensor {name!r} has dtype {info.get('dtype')!r}; readable: "
+                        f"{sorted(_DTYPES)}")
         shape = tuple(info["shape"])
         start, stop = info["data_offsets"]
         if stop > body.size or stop - start != int(np.prod(shape)) * np.dtype(dtype).itemsize:
-            raise StableHLOError(f"{path}: tensor {name!r} lies outside the file or has the "
-                                 "wrong size; the file is truncated or damaged: export again")
+            raise error(f"{path}: tensor {name!r} lies outside the file or has the wrong size; "
+                        f"the file is truncated or damaged: {fix}")
         out[name] = body[start:stop].view(dtype).reshape(shape)
     return out
 
 
-def read_weights(directory: str | Path) -> dict[str, np.ndarray]:
+def read_weights(directory: str | Path, *, error: type[Exception] = StableHLOError,
+                 fix: str = "export the model again with --format stablehlo"
+                 ) -> dict[str, np.ndarray]:
     """The tensors of DIR/model.safetensors, or of the shards model.safetensors.index.json
-    names, as read-only memory-mapped numpy arrays."""
+    names, as read-only memory-mapped numpy arrays (errors as read_safetensors_file)."""
     d = Path(directory)
     if (d / INDEX_FILE).exists():
         try:
             weight_map = json.loads((d / INDEX_FILE).read_text())["weight_map"]
         except (OSError, ValueError, KeyError) as e:
-            raise StableHLOError(f"{d / INDEX_FILE} is not a safetensors index ({e})") from e
+            raise error(f"{d / INDEX_FILE} is not a safetensors index ({e})") from e
         files = sorted(set(weight_map.values()))
     elif (d / SINGLE_FILE).exists():
         weight_map, files = None, [SINGLE_FILE]
     else:
-        raise StableHLOError(f"{d} holds neither {SINGLE_FILE} nor {INDEX_FILE}: the weights "
-                             "are missing; export the model again with --format stablehlo")
+        raise error(f"{d} holds neither {SINGLE_FILE} nor {INDEX_FILE}: the weights are "
+                    f"missing; {fix}")
     tensors: dict[str, np.ndarray] = {}
     for file in files:
         if not (d / file).exists():
-            raise StableHLOError(f"{d / file} is missing (named by {INDEX_FILE})")
-        tensors.update(_read_file(d / file))
+            raise error(f"{d / file} is missing (named by {INDEX_FILE})")
+        tensors.update(read_safetensors_file(d / file, error=error, fix=fix))
     if weight_map is not None:
         missing = sorted(set(weight_map) - set(tensors))
         if missing:
-            raise StableHLOError(f"{d}: tensors {missing[:5]} named by {INDEX_FILE} are in no "
-                                 "file")
+            raise error(f"{d}: tensors {missing[:5]} named by {INDEX_FILE} are in no file")
     return tensors
 
 
