@@ -1,4 +1,4 @@
-"""Hugging Face Llama layouts: what `aiinfra_jax.export --format hf` writes and
+"""Hugging Face Llama (and Qwen2 / Qwen3) layouts: what `aiinfra_jax.export --format hf` writes and
 `aiinfra_jax.import_hf` reads.
 
 Shape letters: D d_model (hidden_size), H query heads, K key/value heads, Dh head_dim, F d_ff
@@ -8,8 +8,11 @@ Why Llama. Our dense decoder (mixer "dense", FFN "swiglu", residual "standard", 
 convolution) is exactly a Llama decoder: pre-norm RMSNorm (weight * x * rsqrt(mean(x^2) + eps),
 in float32), q/k/v/o projections without biases, rotate-half RoPE with inv_freq = theta^(-2i/Dh)
 on all of head_dim, GQA with query head h reading KV head h // (H / K), softmax scale Dh^-0.5, and
-a SwiGLU MLP down(silu(gate(x)) * up(x)). Qwen2 adds q/k/v biases and Qwen3 a q/k RMSNorm, which
-our dense mixer does not have, so both are refused by import rather than approximated.
+a SwiGLU MLP down(silu(gate(x)) * up(x)). Qwen2 adds q/k/v biases and Qwen3 an RMSNorm over
+head_dim on each query and key head before RoPE: our dense mixer has both as options
+(model.dense.qkv_bias, model.dense.qk_norm), so those checkpoints import as such and those models
+export as Qwen2ForCausalLM / Qwen3ForCausalLM (a bias on o_proj, Llama's and Qwen3's
+attention_bias, and sliding-window layers are refused by name).
 
 Tensor mapping (our per-layer names, aiinfra_jax.export's naming scheme, <-> HF names; HF's
 nn.Linear weights are [out, in], ours [in, ...]):
@@ -24,6 +27,10 @@ nn.Linear weights are [out, in], ours [in, ...]):
     layers.i.ffn.w_down        [F,D]       model.layers.i.mlp.down_proj.weight [D,F]
     final_norm.scale           [D]         model.norm.weight
     head.kernel                [D,V]       lm_head.weight [V,D] (absent: tie_word_embeddings)
+    layers.i.mixer.bq          [H,Dh]      model.layers.i.self_attn.q_proj.bias [H*Dh] (Qwen2)
+    layers.i.mixer.bk / bv     [K,Dh]      model.layers.i.self_attn.k_proj / v_proj.bias [K*Dh]
+    layers.i.mixer.q_norm.scale / k_norm.scale [Dh]   model.layers.i.self_attn.q_norm / k_norm.weight
+                                                       (Qwen3)
 
 The flattening of heads is h * Dh + d on both sides (HF views q_proj's output as [.., H, Dh]).
 
@@ -48,6 +55,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from aiinfra_jax.errors import UserError
+from aiinfra_jax.models.attention.dense import DenseConfig
 from aiinfra_jax.models.config import ModelConfig
 
 
@@ -145,12 +153,22 @@ _HEAD = ("head.kernel", "lm_head.weight", lambda a: np.ascontiguousarray(a.T),
          lambda a, c: a.T)
 
 
+# Qwen2's q/k/v biases ([H*Dh] / [K*Dh] in HF, [H,Dh] / [K,Dh] ours) and Qwen3's q/k norms.
+_BIAS = [(f"mixer.b{x}", f"self_attn.{x}_proj.bias", lambda a: np.ascontiguousarray(a.reshape(-1)),
+          lambda a, c, x=x: a.reshape(c.n_heads if x == "q" else c.n_kv_heads,
+                                      c.resolved_head_dim)) for x in "qkv"]
+_QK_NORM = [(f"mixer.{x}_norm.scale", f"self_attn.{x}_norm.weight", _same, lambda a, c: a)
+            for x in "qk"]
+
+
 def _pairs(cfg: ModelConfig) -> list[tuple[str, str, Callable, Callable]]:
     """Every (our name, HF name, to_hf, from_hf) of a Llama-expressible cfg."""
     rows = list(_TOP)
+    layer = (_LAYER + (_BIAS if cfg.dense.qkv_bias else [])
+             + (_QK_NORM if cfg.dense.qk_norm else []))
     for i in range(cfg.n_layers):
         rows += [(f"layers.{i}.{ours}", f"model.layers.{i}.{theirs}", fwd, back)
-                 for ours, theirs, fwd, back in _LAYER]
+                 for ours, theirs, fwd, back in layer]
     if not cfg.tie_embeddings:
         rows.append(_HEAD)
     return rows
@@ -202,15 +220,32 @@ def from_hf_tensors(hf: Mapping[str, np.ndarray], cfg: ModelConfig, where: str
 
 # ----------------------------------------------------------------------------- configs
 
+def hf_architecture(cfg: ModelConfig) -> tuple[str, str]:
+    """(model_type, architecture) of a Llama-expressible cfg: Qwen3 with q/k norms, Qwen2 with
+    q/k/v biases alone, Llama otherwise."""
+    if cfg.dense.qk_norm:
+        return "qwen3", "Qwen3ForCausalLM"
+    if cfg.dense.qkv_bias:
+        return "qwen2", "Qwen2ForCausalLM"
+    return "llama", "LlamaForCausalLM"
+
+
 def hf_config(cfg: ModelConfig, *, bos_id: int | None, eos_id: int | None,
               pad_id: int | None) -> dict[str, Any]:
     """The config.json of a Llama-expressible cfg (read by transformers 4.x and 5.x: rope_theta
-    and rope_parameters both written)."""
+    and rope_parameters both written); a Qwen2 / Qwen3 one for the q/k/v biases / q/k norms."""
     check_expressible(cfg, "this model")
     dtype = cfg.param_dtype
+    model_type, arch = hf_architecture(cfg)
+    extra: dict[str, Any] = {}
+    if model_type != "llama":
+        extra = {"use_sliding_window": False, "sliding_window": None,
+                 "max_window_layers": cfg.n_layers,
+                 "layer_types": ["full_attention"] * cfg.n_layers}
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        **extra,
+        "architectures": [arch],
+        "model_type": model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.resolved_d_ff,
@@ -223,7 +258,7 @@ def hf_config(cfg: ModelConfig, *, bos_id: int | None, eos_id: int | None,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "attention_bias": False,
+        "attention_bias": model_type == "qwen3" and cfg.dense.qkv_bias,
         "attention_dropout": 0.0,
         "mlp_bias": False,
         "pretraining_tp": 1,
@@ -238,32 +273,34 @@ def hf_config(cfg: ModelConfig, *, bos_id: int | None, eos_id: int | None,
     }
 
 
-# Architectures recognised but refused, and why.
-_REFUSED = {
-    "qwen2": "Qwen2 has q/k/v projection biases, which our dense mixer does not have",
-    "qwen3": "Qwen3 normalises queries and keys (q_norm, k_norm), which our dense mixer does not",
-}
+# Architectures read (model_type): Llama, Qwen2 (q/k/v biases), Qwen3 (q/k norms).
+_TYPES = ("llama", "qwen2", "qwen3")
 
 
 def model_fields_from_hf(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """ModelConfig fields (sizes and architecture) of an HF Llama config.json; ExportError naming
-    the key for anything our dense model cannot express."""
+    """ModelConfig fields (sizes and architecture) of an HF Llama / Qwen2 / Qwen3 config.json;
+    ExportError naming the key for anything our dense model cannot express."""
     kind = hf.get("model_type")
-    if kind in _REFUSED:
-        raise ExportError(f"{where}: model_type {kind!r} cannot be imported: {_REFUSED[kind]}. "
-                          "Only Llama-style checkpoints (model_type 'llama') are supported")
-    if kind != "llama":
-        raise ExportError(f"{where}: model_type {kind!r} is not supported; only Llama-style "
-                          "checkpoints (model_type 'llama') can be imported")
+    if kind not in _TYPES:
+        raise ExportError(f"{where}: model_type {kind!r} is not supported; Llama, Qwen2 and "
+                          f"Qwen3 checkpoints (model_type {', '.join(map(repr, _TYPES))}) can be "
+                          "imported")
 
     def need(key: str) -> Any:
         if key not in hf:
             raise ExportError(f"{where}: config.json has no {key!r}")
         return hf[key]
 
+    # Llama's and Qwen3's attention_bias also puts a bias on o_proj, which we do not have;
+    # Qwen2's q/k/v biases are part of the architecture (no flag).
     for key, ok in (("attention_bias", False), ("mlp_bias", False)):
         if hf.get(key, ok) != ok:
-            raise ExportError(f"{where}: {key}={hf[key]!r}; our dense model has no biases")
+            raise ExportError(f"{where}: {key}={hf[key]!r}; our dense model has biases only on "
+                              "Qwen2's q/k/v projections")
+    types = set(hf.get("layer_types") or ["full_attention"])
+    if hf.get("use_sliding_window") or types != {"full_attention"}:
+        raise ExportError(f"{where}: sliding-window layers (use_sliding_window / layer_types) "
+                          "are not supported; our dense model attends to the whole context")
     if hf.get("hidden_act", "silu") != "silu":
         raise ExportError(f"{where}: hidden_act={hf['hidden_act']!r}; our SwiGLU uses 'silu'")
     if hf.get("pretraining_tp", 1) not in (1, None):
@@ -287,6 +324,7 @@ def model_fields_from_hf(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
         "head_dim": hf.get("head_dim") or d_model // heads,
         "d_ff": need("intermediate_size"),
         "mixers": ("dense",),
+        "dense": DenseConfig(qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3"),
         "ffns": ("swiglu",),
         "residual": "standard",
         "short_conv": 0,

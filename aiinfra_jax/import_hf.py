@@ -1,14 +1,15 @@
-"""Import a local Hugging Face Llama checkpoint as a run directory that training can start from.
+"""Import a local Hugging Face Llama / Qwen2 / Qwen3 checkpoint as a run directory that training can start from.
 
     python -m aiinfra_jax.import_hf --model HF_DIR --out runs/NAME [--set KEY=VALUE] [--debug]
     python train.py --config runs/NAME/config.json --set checkpoint.initialize_from=runs/NAME \
         --set run.steps=200 --set optim.lr=1e-4 ...
 
-HF_DIR holds what `save_pretrained` writes: config.json (model_type "llama"), model.safetensors
-(or shards with model.safetensors.index.json) and tokenizer.json. Nothing is downloaded. The
-tensors map onto our dense model as aiinfra_jax/hf.py lists (its logits equal transformers' on the
-same tokens, to float32 rounding); Qwen2 (q/k/v biases), Qwen3 (q/k norms), RoPE scaling, biases
-and any tensor without a place in our model are refused by name, before anything is written.
+HF_DIR holds what `save_pretrained` writes: config.json (model_type "llama", "qwen2" or "qwen3"),
+model.safetensors (or shards with model.safetensors.index.json) and tokenizer.json. Nothing is
+downloaded. The tensors map onto our dense model as aiinfra_jax/hf.py lists (Qwen2's q/k/v biases
+and Qwen3's q/k norms as model.dense.qkv_bias / qk_norm; its logits equal transformers' on the
+same tokens, to float32 rounding); RoPE scaling, other biases, sliding-window layers and any
+tensor without a place in our model are refused by name, before anything is written.
 
 The run directory gets:
   config.json     the run config: the model from HF's config.json (vocab_size, head_dim,
@@ -114,8 +115,10 @@ def import_hf(model_dir: str | Path, out: str | Path, *, overrides: Sequence[str
                   data=DataConfig(tokenizer=tok_file or tok_spec, seq_len=seq_len),
                   run=RunConfig(name=out.name, output_dir=str(out.parent)))
     cfg = apply_overrides(base, list(overrides))
-    changed = [k for k, v in fields.items()
-               if k != "max_seq_len" and getattr(cfg.model, k) != v]
+    changed = [k for k, v in fields.items() if k not in ("max_seq_len", "dense")
+               and getattr(cfg.model, k) != v]
+    changed += [f"dense.{k}" for k in ("qkv_bias", "qk_norm")
+                if getattr(cfg.model.dense, k) != getattr(fields["dense"], k)]
     if changed:
         raise ConfigError(f"--set changes what the checkpoint defines ({', '.join(changed)}); "
                           "only run-time settings of the model (and the other sections) may be set")

@@ -30,7 +30,7 @@ from flax import nnx
 from aiinfra_jax.kernels.flash_attention import AttentionMask, cached_attention, flash_attention
 
 from ..config import ModelConfig, check_implementation, runtime_field
-from ..layers import apply_rope, make_param, out_proj_std
+from ..layers import RMSNorm, apply_rope, make_param, out_proj_std
 from ..registry import register_config, register_mixer
 
 DenseCache = dict[str, jax.Array]
@@ -43,7 +43,12 @@ KERNELS = ("dot_product_attention", "flash_attention")
 @register_config("dense")
 @dataclasses.dataclass(frozen=True)
 class DenseConfig:
-    """How dense attention runs (every field is run-time: none changes what the layer computes).
+    """How dense attention runs (kernel, implementation, interpret: run-time fields, none changes
+    what the layer computes), and two architecture options of Qwen-style layers:
+
+    qkv_bias: learned biases on the q, k and v projections (bq [H,Dh], bk / bv [K,Dh]; Qwen2).
+    qk_norm: an RMSNorm over head_dim on each query and key head before RoPE (q_norm / k_norm
+      scale [Dh], eps = model.norm_eps; Qwen3).
 
     kernel: "dot_product_attention" = jax.nn.dot_product_attention with a boolean mask;
       "flash_attention" = the shared chunked kernel (kernels/flash_attention: never a [B,H,T,T]
@@ -60,6 +65,8 @@ class DenseConfig:
     kernel: str = runtime_field("dot_product_attention")
     implementation: str | None = runtime_field(None)
     interpret: bool = runtime_field(False)  # Pallas kernels in interpret mode (CPU tests, debugging)
+    qkv_bias: bool = False
+    qk_norm: bool = False
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
@@ -169,14 +176,26 @@ class DenseAttention(nnx.Module):
         self.wv = make_param(rngs, (d, k, dh), ("embed", "kv_heads", "head_dim"), std, pdt)
         self.wo = make_param(rngs, (h, dh, d), ("heads", "head_dim", "embed"), out_proj_std(cfg),
                              pdt)
+        if cfg.dense.qkv_bias:
+            self.bq = nnx.Param(jnp.zeros((h, dh), pdt), logical_axes=("heads", "head_dim"))
+            self.bk = nnx.Param(jnp.zeros((k, dh), pdt), logical_axes=("kv_heads", "head_dim"))
+            self.bv = nnx.Param(jnp.zeros((k, dh), pdt), logical_axes=("kv_heads", "head_dim"))
+        if cfg.dense.qk_norm:
+            self.q_norm = RMSNorm(dh, eps=cfg.norm_eps, param_dtype=pdt)
+            self.k_norm = RMSNorm(dh, eps=cfg.norm_eps, param_dtype=pdt)
 
     def project_qkv(self, x_btd: jax.Array, positions_bt: jax.Array):
-        """q [B,T,H,Dh], k and v [B,T,K,Dh] in the compute dtype, RoPE applied to q and k."""
+        """q [B,T,H,Dh], k and v [B,T,K,Dh] in the compute dtype, RoPE applied to q and k (after
+        the biases and q/k norms of DenseConfig.qkv_bias / qk_norm)."""
         dt = jnp.dtype(self.cfg.dtype)
         x = x_btd.astype(dt)
         q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt))
         k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt))
         v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt))
+        if self.cfg.dense.qkv_bias:
+            q, k, v = (a + b[...].astype(dt) for a, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
+        if self.cfg.dense.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         theta = self.cfg.rope_theta
         return apply_rope(q, positions_bt, theta), apply_rope(k, positions_bt, theta), v
 

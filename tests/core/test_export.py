@@ -231,12 +231,53 @@ def test_import_refuses_what_our_dense_model_lacks():
     base = {"model_type": "llama", "vocab_size": 300, "hidden_size": 32, "intermediate_size": 64,
             "num_hidden_layers": 2, "num_attention_heads": 2}
     assert hf.model_fields_from_hf(base, "m")["n_kv_heads"] == 2
-    for change, named in [({"model_type": "qwen2"}, "biases"), ({"model_type": "qwen3"}, "q_norm"),
-                          ({"model_type": "gpt2"}, "'gpt2' is not supported"),
-                          ({"attention_bias": True}, "no biases"),
+    dense = {t: hf.model_fields_from_hf({**base, "model_type": t}, "m")["dense"]
+             for t in ("qwen2", "qwen3")}
+    assert (dense["qwen2"].qkv_bias, dense["qwen2"].qk_norm) == (True, False)
+    assert (dense["qwen3"].qkv_bias, dense["qwen3"].qk_norm) == (False, True)
+    for change, named in [({"model_type": "gpt2"}, "'gpt2' is not supported"),
+                          ({"attention_bias": True}, "biases only on Qwen2's q/k/v"),
+                          ({"model_type": "qwen3", "attention_bias": True}, "attention_bias"),
+                          ({"model_type": "qwen2", "use_sliding_window": True}, "sliding-window"),
                           ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn'")]:
         with pytest.raises(hf.ExportError, match=named):
             hf.model_fields_from_hf({**base, **change}, "m")
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_import_and_export_qwen_match_transformers(kind, tmp_path, capsys):
+    """Qwen2 (q/k/v biases) and Qwen3 (q/k norms) import as our dense model with
+    model.dense.qkv_bias / qk_norm, with transformers' logits, and export back as the same class."""
+    torch, transformers = _hf_libs()
+    torch.manual_seed(1)
+    cls = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[kind]
+    config = cls[0](vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=1000.0,
+                    tie_word_embeddings=False)
+    model = cls[1](config).eval()
+    with torch.no_grad():  # nonzero biases, non-unit norms: every mapping error shows
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    src = tmp_path / kind
+    model.save_pretrained(src)
+    (src / "tokenizer.json").write_text(json.dumps(hf.byte_tokenizer_json()))
+    run = tmp_path / "run"
+    assert import_main(["--model", str(src), "--out", str(run)]) == 0
+    capsys.readouterr()
+    loaded = load_model(run)
+    assert (loaded.config.model.dense.qkv_bias, loaded.config.model.dense.qk_norm) == \
+        (kind == "qwen2", kind == "qwen3")
+    tokens = _tokens(259, seed=3)
+    theirs = _torch_logits(model, tokens)
+    diff = np.abs(_logits(loaded.model, tokens) - theirs).max()
+    print(f"{kind} import: max |logit difference| = {diff:.3g}")
+    assert diff <= 1e-4
+    ex.export(run, tmp_path / "again", fmt="hf", say=lambda s: None)
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again").eval()
+    assert type(again) is cls[1]
+    assert np.abs(_torch_logits(again, tokens) - theirs).max() <= 1e-4
 
 
 def test_hf_export_matches_transformers_and_imports_back_exactly(trained, tmp_path, capsys):
