@@ -24,6 +24,13 @@ from aiinfra_jax.generate import decode_step, prefill
 from aiinfra_jax.tasks import Example
 
 
+# Teacher-forced answers are right-padded to a multiple of this many tokens: one compiled shape
+# for most batches (each new shape is a compile, and with warm-up one more untimed prefill).
+ANSWER_BUCKET = 16
+# Prompts likewise, to a multiple of this many tokens.
+PROMPT_BUCKET = 128
+
+
 class Answerer(Protocol):
     """Continues each example's prompt; returns generated token ids per example (EOS may end it)."""
 
@@ -61,11 +68,13 @@ class ModelAnswerer:
         return np.asarray(jax.device_get(logits_bv[:, :self.vocab].argmax(-1)), np.int32)
 
     def _answers(self, examples: Sequence[Example]) -> tuple[np.ndarray, np.ndarray]:
-        """(answer + EOS tokens [B,W] right-padded, their counts [B])."""
+        """(answer + EOS tokens [B,W] right-padded, their counts [B]); W is rounded up to a
+        multiple of ANSWER_BUCKET so that batches share compiled shapes."""
         seqs = [np.append(ex.target_tokens, self.tokenizer.eos_id).astype(np.int32)
                 for ex in examples]
         counts = np.array([a.size for a in seqs], np.int32)
-        answers = np.full((len(seqs), int(counts.max())), self.tokenizer.pad_id, np.int32)
+        width = -(-int(counts.max()) // ANSWER_BUCKET) * ANSWER_BUCKET
+        answers = np.full((len(seqs), width), self.tokenizer.pad_id, np.int32)
         for b, a in enumerate(seqs):
             answers[b, :a.size] = a
         return answers, counts
@@ -114,7 +123,7 @@ class ModelAnswerer:
         t2 = time.perf_counter()
         if timed:
             self.timing["prefill_s"] += t1 - t0
-            self.timing["prefill_tokens"] += int(batch * seq)
+            self.timing["prefill_tokens"] += int(batch * lengths.max())  # not the bucket padding
             self.timing["answer_scores_s"] += t1s - t1
             self.timing["decode_s"] += t2 - t1s
             self.timing["decode_tokens"] += int(batch * steps)
@@ -124,15 +133,27 @@ class ModelAnswerer:
             rows.append(row[:row.index(eos) + 1] if eos in row else row)
         return rows, scores
 
-    def __call__(self, examples: Sequence[Example], max_new_tokens: int) -> list[list[int]]:
+    def _prompts(self, examples: Sequence[Example], room: int) -> tuple[np.ndarray, np.ndarray]:
+        """(prompts [B,T] right-padded, lengths [B]); T is the longest prompt rounded up to a
+        multiple of PROMPT_BUCKET (within max_seq_len - room), so that batches share compiled
+        shapes (the padding is masked: it never enters the cache)."""
         lengths = np.array([ex.prompt_tokens.size for ex in examples], np.int32)
-        tokens = np.full((len(examples), int(lengths.max())), self.tokenizer.pad_id, np.int32)
+        longest = int(lengths.max())
+        if self.max_seq_len is not None and longest + room > self.max_seq_len:
+            raise ValueError(f"prompt of {longest} tokens + {room} new tokens exceeds "
+                             f"model.max_seq_len={self.max_seq_len}")
+        width = -(-longest // PROMPT_BUCKET) * PROMPT_BUCKET
+        if self.max_seq_len is not None:
+            width = max(longest, min(width, self.max_seq_len - room))
+        tokens = np.full((len(examples), width), self.tokenizer.pad_id, np.int32)
         for b, ex in enumerate(examples):
             tokens[b, :lengths[b]] = ex.prompt_tokens
-        if self.max_seq_len is not None and tokens.shape[1] + max_new_tokens > self.max_seq_len:
-            raise ValueError(f"prompt of {tokens.shape[1]} tokens + {max_new_tokens} new tokens "
-                             f"exceeds model.max_seq_len={self.max_seq_len}")
+        return tokens, lengths
+
+    def __call__(self, examples: Sequence[Example], max_new_tokens: int) -> list[list[int]]:
         answers = self._answers(examples) if self.score_answers else None
+        room = max_new_tokens if answers is None else max(max_new_tokens, answers[0].shape[1])
+        tokens, lengths = self._prompts(examples, room)
         shape = (tokens.shape[0], tokens.shape[1], max_new_tokens,
                  None if answers is None else answers[0].shape[1])
         if self.warmup and shape not in self._seen:
@@ -153,11 +174,8 @@ class ModelAnswerer:
         examples; otherwise it runs the prefill itself."""
         if self._scores is not None and self._scores[0] == tuple(map(id, examples)):
             return self._scores[1]
-        lengths = np.array([ex.prompt_tokens.size for ex in examples], np.int32)
-        tokens = np.full((len(examples), int(lengths.max())), self.tokenizer.pad_id, np.int32)
-        for b, ex in enumerate(examples):
-            tokens[b, :lengths[b]] = ex.prompt_tokens
         answers, counts = self._answers(examples)
+        tokens, lengths = self._prompts(examples, answers.shape[1])
         logits, cache = self._prefill(tokens, lengths, answers.shape[1])
         return self._score(logits, cache, lengths, answers, counts)
 

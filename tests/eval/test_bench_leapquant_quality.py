@@ -1,0 +1,94 @@
+"""bench_leapquant's quality mode end to end on a tiny random GDN checkpoint: the output
+structure, fp32 decode = the state_quant=None path exactly, per-step INT8 != fp32."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import tiny
+
+from aiinfra_jax.checkpoint import Checkpointer
+from aiinfra_jax.config import to_dict
+from aiinfra_jax.eval import bench_leapquant
+from aiinfra_jax.steps import abstract_model
+
+
+def _host_params(model_cfg) -> dict:
+    """Random parameters made with numpy in the shapes of the model's params (Transformer's own
+    initialisation compiles a vmapped block init: ~6 s of XLA on 2 CPU cores for this test):
+    normal(0, fan_in^-1/2) matrices, unit norm scales, fla-style A (1..16) and dt (1e-3..1e-1)."""
+    rng = np.random.default_rng(0)
+    _, abstract, _ = abstract_model(model_cfg)
+
+    def init(path, a):
+        name = getattr(path[-1], "key", "")
+        if name in ("scale", "o_norm"):
+            return np.ones(a.shape, np.float32)
+        if name == "A_log":
+            return np.log(rng.uniform(1, 16, a.shape)).astype(np.float32)
+        if name == "dt_bias":
+            dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), a.shape))
+            return np.log(np.expm1(dt)).astype(np.float32)
+        fan_in = a.shape[0] if len(a.shape) > 1 else 1
+        return (rng.standard_normal(a.shape) / np.sqrt(fan_in)).astype(np.float32)
+
+    return jax.tree_util.tree_map_with_path(init, nnx.to_pure_dict(abstract))
+
+
+@pytest.fixture(scope="module")
+def gdn_run(tmp_path_factory):
+    """A run directory holding one checkpoint of a random tiny GDN model, saved as the trainer
+    saves (no training step: cheaper, and the quality mode only needs parameters)."""
+    root = tmp_path_factory.mktemp("gdn")
+    cfg = tiny(root, "model.mixers=gdn", "model.gated_delta.chunk_size=16",
+               "model.max_seq_len=64", "model.scan_layers=false")
+    cfg = dataclasses.replace(cfg, model=cfg.model.with_vocab(259))
+    state = {"params": _host_params(cfg.model), "step": jnp.int32(1), "bad_step": jnp.int32(0)}
+    with Checkpointer(root / "checkpoints", config=to_dict(cfg), async_save=False) as ckpt:
+        ckpt.save(1, state, None, force=True)
+    return root
+
+
+def test_quality_mode_structure_and_reference(gdn_run, tmp_path, capsys):
+    out = tmp_path / "q.json"
+    assert bench_leapquant.main(["--quality", "--checkpoint", str(gdn_run), "--docs", "2",
+                                 "--length", "20", "--prefill", "0", "--settings",
+                                 "int8_per_step,none", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert (tmp_path / "q.md").read_text().strip() == capsys.readouterr().out.split(
+        "\nwrote ")[0].strip()
+    assert [r["setting"] for r in res["rows"]] == ["none", "int8_per_step"]  # fp32 first
+    assert res["docs"] == 2 and len(res["doc_ids"]) == 2 and res["scored_tokens_per_doc"] == 20
+    assert all(n >= 21 for n in res["doc_tokens_before_truncation"])
+    fp32, per_step = res["rows"]
+    # the reference is the state_quant=None path itself: no difference at all
+    assert fp32["delta"] == 0.0 and fp32["max_abs_logit_diff"] == 0.0
+    assert fp32["setting"] == "none" and fp32["state_bytes_per_row_per_layer"] == 4 * 2 * 16 * 16
+    # per-step INT8 rounds the state every step: its logits move
+    assert per_step["max_abs_logit_diff"] > 0 and per_step["delta"] != 0.0
+    assert per_step["state_bytes_per_row_per_layer"] < fp32["state_bytes_per_row_per_layer"]
+    for r in res["rows"]:
+        assert np.isfinite(r["loss"]) and r["perplexity"] == pytest.approx(np.exp(r["loss"]))
+        assert len(r["doc_loss"]) == 2 and len(r["by_position"]) == 4
+        assert r["by_position"][0]["positions"][0] == 0
+        assert r["by_position"][-1]["positions"][1] == 19
+        assert r["step_ms_median"] > 0 and r["cache_bytes_per_row"] > 0
+    # the training forward agrees with the fp32 decode to float rounding
+    f = res["forward"]
+    assert abs(f["delta"]) < 1e-4 and f["max_abs_logit_diff"] < 1e-3
+
+
+def test_quality_mode_refuses_a_nan_row(gdn_run, monkeypatch):
+    """A non-finite logit (what a refused row gives) is an error, not averaged."""
+    real = bench_leapquant._score
+
+    def poisoned(logits, targets, ref):
+        return real(logits.at[1, 0].set(jnp.nan), targets, ref)
+
+    monkeypatch.setattr(bench_leapquant, "_score", poisoned)
+    with pytest.raises(FloatingPointError, match="non-finite logits .* first row 1"):
+        bench_leapquant.quality(gdn_run, docs=2, length=8, settings=["none"], forward=False)
