@@ -28,8 +28,9 @@ train: $(VENV)/.stamp-base
 	$(PY) train.py --config $(CONFIG) $(ARGS)
 
 # The whole suite; pytest-xdist spreads the test files over the two cores. The slowest tests are
-# listed at the end, to keep the suite inside its 20-minute budget on a 2-core machine (19.5 min
-# on 2026-12-02, 671 tests: at the limit; trim before adding).
+# listed at the end, to keep the suite inside its 20-minute budget on a 2-core machine (8.1 min
+# on a fresh clone on 2026-12-02, 687 tests, since tests/conftest.py compiles at -O0; 19.9 min
+# before that).
 test: $(VENV)/.stamp-dev
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests
 
