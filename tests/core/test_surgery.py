@@ -13,6 +13,7 @@ import pytest
 from aiinfra_jax import surgery
 from aiinfra_jax.config import ConfigError, load_config
 from aiinfra_jax.export import tensor_shapes
+from aiinfra_jax.models import AttnResConfig
 from helpers import ROOT
 
 SMALL = dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, vocab_size=64)
@@ -92,3 +93,23 @@ def test_more_layers_and_tensors_that_do_not_fit():
     alien = surgery.Source({"x": np.zeros(3, np.float32)}, dense, "alien")
     with pytest.raises(ConfigError, match="no tensor of alien fits"):
         surgery.transplant(dense, _random(dense, 1), alien)
+
+
+def test_dense_to_msa_and_attnres_copies_by_name():
+    """MSA's q/k/v/o and an AttnRes model's whole decoder share the dense names and shapes: copied
+    as they are; the routers, the temperature and the depth-attention queries start fresh."""
+    dense = _cfg("tiny")
+    src = surgery.Source(_random(dense, 0), dense, "dense")
+    for fields, new in ((dict(mixers=("msa",)), ("mixer.router_q", "mixer.router_k",
+                                                 "mixer.temperature")),
+                        (dict(residual="attnres_block", attnres=AttnResConfig(n_blocks=2)),
+                         ("residual.queries",))):
+        cfg = _cfg("tiny", **fields)
+        fresh = _random(cfg, 1)
+        out, report = surgery.transplant(cfg, fresh, src)
+        assert not report["adapted"] and not report["unused"]
+        assert set(report["copied"]) == set(src.tensors)
+        for name in src.tensors:
+            np.testing.assert_array_equal(out[name], src.tensors[name])
+        assert {f"layers.{i}.{n}" for i in range(2) for n in new} <= set(report["initialised"])
+        assert set(report["initialised"]) == set(fresh) - set(src.tensors)
