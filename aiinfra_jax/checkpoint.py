@@ -437,8 +437,13 @@ class Checkpointer:
                                  + (f" (only interrupted saves: {names})" if self._partial else "")
                                  + "; check the path, or train to save one")
 
-    def latest_step(self) -> int | None:
-        """The newest committed step, or None when there is none (partial folders are ignored)."""
+    def latest_step(self, *, reload: bool = False) -> int | None:
+        """The newest committed step, or None when there is none (partial folders are ignored).
+        reload: list the folder again instead of trusting the manager's record, which a save
+        interrupted after its commit (another process dying in the save's final barrier) leaves
+        without the committed step. Reading the folder is local to this process."""
+        if reload:
+            self._manager.reload()
         return self._manager.latest_step()
 
     def all_steps(self) -> list[int]:

@@ -173,7 +173,7 @@ def _train_in(trainer: Trainer, hooks, procs: _Processes, stored: Config, run_di
         if disk is not None:  # a full disk: say where the run can go on from
             raise DiskError(f"{disk_message(disk)}; {_last_good(ckpt, run_dir, wait=False)}") from e
         if procs.count > 1 and _lost_a_process(e):
-            last = ckpt.latest_step()
+            last = ckpt.latest_step(reload=True)  # the save the loss interrupted may have committed
             raise shd.DistributedError(
                 f"process {procs.index} of {procs.count} lost contact with another process near "
                 f"step {step} ({str(e).strip().splitlines()[0][:300]}): a process died or its host "
