@@ -8,17 +8,27 @@ Shape letters: B batch, T tokens, N = B*T tokens flattened, D d_model, E experts
 R = N*L (token, department) pairs, M = N*K (token, expert) assignments, F department_d_ff.
 
 Weights: department g has a SwiGLU's three projections, gate and up [G,D,F] and down [G,F,D];
-expert e (of department g(e) = e // (E/G)) has one private square matrix P_e [E,F,F],
+expert e (of department g(e) = e // (E/G)) has one private square matrix P_e [E,p,p] on the first
+p = private_dim channels of the department's F (p = F by default: a full square),
 initialised to the identity (so at initialisation every expert of a department is that
-department's SwiGLU). The router is one [D,E] matrix over all experts.
+department's SwiGLU). The router is one [D,E] matrix over all experts. Write [P_e] for the F x F
+block matrix diag(P_e, I_{F-p}): the private square on the sub-space, the other F - p channels
+shared as they are.
 
 Expert e's output on a token x (private_placement):
-  "hidden" (default): z_e = (silu(x Wg_g) * (x Wu_g)) P_e; the SiLU (of the GLU) sits between the
-           shared gate/up and the private matrix, as the issue says ("a SiLU between shared and
+  "hidden" (default): z_e = (silu(x Wg_g) * (x Wu_g)) [P_e]; the SiLU (of the GLU) sits between
+           the shared gate/up and the private matrix, as the issue says ("a SiLU between shared and
            private parts"). Then y_e = z_e Wd_g.
-  "gate":  z_e = silu((x Wg_g) P_e) * (x Wu_g): the private matrix turns the gate's
+  "gate":  z_e = silu((x Wg_g) [P_e]) * (x Wu_g): the private matrix turns the gate's
            pre-activation, the SiLU after it. Then y_e = z_e Wd_g.
-Both reduce to the department's SwiGLU when P_e = I. The FFN's output is
+Both reduce to the department's SwiGLU when P_e = I.
+
+Why a sub-space (private_dim < F): a decode step loads the shared weights of each distinct
+department once and the private matrix of each distinct expert. With a full F x F square
+(F = 352, D = 256) one private matrix is 46% of a department's 3*D*F shared weights, so a step that
+touches a few more experts than a plain MoE loses more bytes than sharing saves (measured: 1.4-1.9x
+MoE's bytes; eval/BENCHMARKS.md). "Each expert keeping a small private part" needs p*p << 3*D*F:
+p = 64 at F = 176 is 3% of the shared part. The FFN's output is
 y = sum_k w_k y_{e_k} = sum_g (sum_{k: g(e_k)=g} w_k z_{e_k}) Wd_g: by linearity the shared down
 projection runs once per (token, department), on the weighted sum of that department's private
 outputs, never once per expert.
@@ -38,13 +48,15 @@ Three-stage grouped matmul (no [N,E] or [N,E,F] buffer; the router's [N,E] logit
      and padding tokens are labelled "no department"); the R pairs, sorted by department, run
      through gate and up ([G,D,F], grouped by the per-department pair counts) -> [R,F] per pair
      ("hidden": the GLU h; "gate": the gate's and up's pre-activations).
-  2. per expert: the M assignments, sorted by expert, gather their pair's row and run through
-     P_e ([E,F,F], grouped by the per-expert counts) (+ the SiLU and the up product for "gate"),
-     are scaled by their routing weight and scatter-added into their pair's row -> [R,F].
+  2. per expert: the M assignments, sorted by expert, gather their pair's first p channels and
+     run them through P_e ([E,p,p], grouped by the per-expert counts) (+ the SiLU and the up
+     product for "gate"), are scaled by their routing weight and scatter-added into their pair's
+     row -> [R,p]; the other F - p channels are the same for every expert of the department, so
+     they are the pair's row times the sum of its assignments' weights -> [R,F].
   3. per department again: the R pair rows, in stage 1's order, run through down ([G,F,D]) ->
      [R,D], summed over each token's L slots -> y [N,D].
 The grouped matmul is models/moe.py's (`grouped_matmul`: "ragged_dot" off CPU, "blocked" on CPU).
-Active FLOPs per token: router 2*D*E, at most L * (4*D*F + 2*F*D) shared, K * 2*F*F private.
+Active FLOPs per token: router 2*D*E, at most L * (4*D*F + 2*F*D) shared, K * 2*p*p private.
 
 Inferred choices (say which one a run used; all but the first three are config):
   * each department's shared part is a full SwiGLU (gate, up, down), the private part only the
@@ -52,6 +64,8 @@ Inferred choices (say which one a run used; all but the first three are config):
   * the private matrices are identity-initialised exactly (no noise added);
   * the department score is DeepSeek-V3's sum of the two best biased expert scores;
   * private_placement "hidden" (after the GLU) by default, "gate" the alternative;
+  * private_dim: the private square's side p, on the first p channels of F (the channel order is
+    arbitrary at initialisation, so "first" loses nothing); None = F;
   * department_limit 2 by default (top_k 4 of 16 experts in 4 departments);
   * department_d_ff None = ModelConfig.resolved_d_ff // department_limit, so the shared part's
     FLOPs at the limit equal the dense SwiGLU's (the private matrices come on top).
@@ -100,6 +114,7 @@ class DeaMoEConfig:
     department_limit: int | None = 2  # distinct departments per token at most; None = no limit
     department_d_ff: int | None = None  # None = ModelConfig.resolved_d_ff // department_limit
     private_placement: str = "hidden"  # "hidden" (after the GLU) | "gate" (before the SiLU)
+    private_dim: int | None = None  # p: the private square's side, on F's first p channels; None = F
     router: str = "softmax"  # "softmax" | "sigmoid" (DeepSeek-V3 scores with a balancing bias)
     routed_scaling: float = 1.0
     normalize_topk: bool = True
@@ -117,7 +132,7 @@ class DeaMoEConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"DeaMoEConfig.{name}={v!r}: must be a positive int")
-        for name in ("department_limit", "department_d_ff"):
+        for name in ("department_limit", "department_d_ff", "private_dim"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
                 raise ValueError(f"DeaMoEConfig.{name}={v!r}: must be a positive int or None")
@@ -162,15 +177,25 @@ class DeaMoEConfig:
         return min(self.top_k, self.limit)
 
     def check_model(self, cfg: ModelConfig) -> None:
-        """Called by ModelConfig's validation: models with a "deamoe" FFN need a width >= 1."""
-        if "deamoe" in cfg.ffns and self.resolved_d_ff(cfg) < 1:
+        """Called by ModelConfig's validation: models with a "deamoe" FFN need a width >= 1 and a
+        private square no wider than it."""
+        if "deamoe" not in cfg.ffns:
+            return
+        f = self.resolved_d_ff(cfg)
+        if f < 1:
             raise ValueError(f"ModelConfig.deamoe: department_d_ff = d_ff // department_limit = "
                              f"{cfg.resolved_d_ff} // {self.limit} is 0; set "
                              "model.deamoe.department_d_ff")
+        if self.private_dim is not None and self.private_dim > f:
+            raise ValueError(f"ModelConfig.deamoe.private_dim={self.private_dim}: exceeds the "
+                             f"department width {f}; lower private_dim (or None: the full width)")
 
     def resolved_d_ff(self, cfg: ModelConfig) -> int:
         return (self.department_d_ff if self.department_d_ff is not None
                 else cfg.resolved_d_ff // self.limit)
+
+    def resolved_private_dim(self, cfg: ModelConfig) -> int:
+        return self.private_dim if self.private_dim is not None else self.resolved_d_ff(cfg)
 
 
 def department_slots(dept_nk: jax.Array, slots: int, n_departments: int
@@ -203,7 +228,8 @@ class DeaMoE(nnx.Module):
         self.w_up = make_param(rngs, (g, d, f), ("expert", "embed", "mlp"), cfg.init_std, pd)
         self.w_down = make_param(rngs, (g, f, d), ("expert", "mlp", "embed"), out_proj_std(cfg),
                                  pd)
-        self.w_private = nnx.Param(jnp.broadcast_to(jnp.eye(f, dtype=pd), (e, f, f)),
+        p = c.resolved_private_dim(cfg)
+        self.w_private = nnx.Param(jnp.broadcast_to(jnp.eye(p, dtype=pd), (e, p, p)),
                                    logical_axes=("expert", None, None))
         self.bias = (RoutingBias(jnp.zeros((e,), jnp.float32), logical_axes=(None,))
                      if c.router == "sigmoid" else None)
@@ -262,17 +288,24 @@ class DeaMoE(nnx.Module):
         x_r = jnp.take(x_nd, order1 // c.slots, axis=0)
         gate = jnp.take(gmm(x_r, self.w_gate, counts1), inverse1, axis=0)  # [R,F], pair order
         up = jnp.take(gmm(x_r, self.w_up, counts1), inverse1, axis=0)
-        # 2. per expert: the private matrix, weighted, summed into the assignment's pair.
+        # 2. per expert: the private matrix on the first p channels, weighted, summed into the
+        # assignment's pair; the other channels are shared, weighted by the pair's weight sum.
+        p = self.w_private.shape[-1]
         order2, _, _ = sort_by_group(expert_m, c.num_experts)
         src = jnp.take(pair_m, order2)
         if c.private_placement == "hidden":
             h = jax.nn.silu(gate) * up
-            z = gmm(jnp.take(h, src, axis=0), self.w_private, counts_e)
+            z = gmm(jnp.take(h[:, :p], src, axis=0), self.w_private, counts_e)
+            rest = h[:, p:]
         else:
-            z = (jax.nn.silu(gmm(jnp.take(gate, src, axis=0), self.w_private, counts_e))
-                 * jnp.take(up, src, axis=0))
+            z = (jax.nn.silu(gmm(jnp.take(gate[:, :p], src, axis=0), self.w_private, counts_e))
+                 * jnp.take(up[:, :p], src, axis=0))
+            rest = jax.nn.silu(gate[:, p:]) * up[:, p:]
         z = z.astype(jnp.float32) * jnp.take(weight_m, order2)[:, None]  # rows past: zero
-        s_r = jnp.zeros((pair_r.shape[0], z.shape[1]), jnp.float32).at[src].add(z).astype(dt)
+        r = pair_r.shape[0]
+        w_r = jnp.zeros((r,), jnp.float32).at[pair_m].add(weight_m)  # padding: weight 0
+        s_r = jnp.concatenate([jnp.zeros((r, p), jnp.float32).at[src].add(z),
+                               rest.astype(jnp.float32) * w_r[:, None]], axis=1).astype(dt)
         # 3. per department again: the shared down projection, once per (token, department).
         y_r = gmm(jnp.take(s_r, order1, axis=0), self.w_down, counts1)
         y_r = jnp.take(y_r, inverse1, axis=0).reshape(n, c.slots, d)
@@ -282,5 +315,5 @@ class DeaMoE(nnx.Module):
         """Active forward FLOPs: router, the shared SwiGLU of at most L departments, K private
         matrices."""
         c, d = self.cfg.deamoe, self.cfg.d_model
-        f = c.resolved_d_ff(self.cfg)
-        return 2.0 * d * c.num_experts + c.slots * 2.0 * 3 * d * f + c.top_k * 2.0 * f * f
+        f, p = c.resolved_d_ff(self.cfg), c.resolved_private_dim(self.cfg)
+        return 2.0 * d * c.num_experts + c.slots * 2.0 * 3 * d * f + c.top_k * 2.0 * p * p

@@ -104,8 +104,8 @@ def test_one_expert_per_department_identity_private_equals_swiglu(placement):
 
 def _dense_reference(p, x_btd, seg, c: DeaMoEConfig):
     """Every expert applied to every token (a Python loop over experts, its department's shared
-    weights and its own private matrix, each expert with its own down projection), combined with
-    the routing weights."""
+    weights and its own private matrix as the F x F block matrix diag(P_e, I), each expert with
+    its own down projection), combined with the routing weights."""
     x = x_btd.reshape(-1, D)
     logits = x @ p["w_router"]
     scores = jax.nn.softmax(logits, -1) if c.router == "softmax" else jax.nn.sigmoid(logits)
@@ -120,22 +120,28 @@ def _dense_reference(p, x_btd, seg, c: DeaMoEConfig):
     for e in range(c.num_experts):
         g = e // per
         gate, up, priv = x @ p["w_gate"][g], x @ p["w_up"][g], p["w_private"][e]
+        k = priv.shape[0]
+        block = jnp.eye(F).at[:k, :k].set(priv)
         if c.private_placement == "hidden":
-            z = (jax.nn.silu(gate) * up) @ priv
+            z = (jax.nn.silu(gate) * up) @ block
         else:
-            z = jax.nn.silu(gate @ priv) * up
+            z = jax.nn.silu(gate @ block) * up
         y = y + (z @ p["w_down"][g]) * jnp.sum(jnp.where(ids == e, w, 0.0), -1)[:, None]
     return y.reshape(x_btd.shape)
 
 
 CASES = {
-    "hidden-softmax-blocked": dict(private_placement="hidden", router="softmax",
-                                   grouped_matmul="blocked", gmm_block=4, num_experts=8,
-                                   num_departments=4, top_k=3, department_limit=2),
-    "gate-sigmoid-ragged": dict(private_placement="gate", router="sigmoid",
-                                grouped_matmul="ragged_dot", num_experts=8, num_departments=4,
-                                top_k=3, department_limit=2, routed_scaling=2.5,
-                                normalize_topk=False),
+    "hidden-softmax-blocked-subspace": dict(private_placement="hidden", router="softmax",
+                                            grouped_matmul="blocked", gmm_block=4, num_experts=8,
+                                            num_departments=4, top_k=3, department_limit=2,
+                                            private_dim=5),
+    "gate-sigmoid-ragged-subspace": dict(private_placement="gate", router="sigmoid",
+                                         grouped_matmul="ragged_dot", num_experts=8,
+                                         num_departments=4, top_k=3, department_limit=2,
+                                         routed_scaling=2.5, normalize_topk=False, private_dim=3),
+    "hidden-softmax-ragged-full": dict(private_placement="hidden", router="softmax",
+                                       grouped_matmul="ragged_dot", num_experts=8,
+                                       num_departments=2, top_k=2, department_limit=None),
 }
 
 
@@ -184,6 +190,11 @@ def test_department_slots_and_limit():
 def test_config_checks_and_flops():
     m = _module(num_experts=8, num_departments=4, top_k=3, department_limit=2)
     assert m.flops_per_token() == 2 * D * 8 + 2 * 6 * D * F + 3 * 2 * F * F
+    m = _module(num_experts=8, num_departments=4, top_k=3, department_limit=2, private_dim=4)
+    assert m.w_private.shape == (8, 4, 4)
+    assert m.flops_per_token() == 2 * D * 8 + 2 * 6 * D * F + 3 * 2 * 4 * 4
+    with pytest.raises(ValueError, match="private_dim=9: exceeds the department width 8"):
+        _cfg(private_dim=9)
     assert DeaMoEConfig(department_limit=None).limit == 4
     assert ModelConfig(d_model=32, d_ff=128, ffns=("deamoe",)).deamoe.resolved_d_ff(
         ModelConfig(d_model=32, d_ff=128)) == 64  # d_ff // department_limit
