@@ -79,9 +79,25 @@ distinct departments a token uses, <= department_limit) and the record "expert_i
 sigmoid router's balancing bias moves as in models/moe.py (training calls only).
 
 Parallelism: department weights carry the logical axis "expert" on their department dimension
-and the private matrices on their expert dimension (split over the mesh's "expert" axis where it
-divides them, replicated otherwise); XLA partitions the dispatch. Expert parallelism with an
-all-to-all (models/moe.py's `expert_parallel`) is not wired in for DeaMoE yet.
+and the private matrices on their expert dimension. Without an "expert" mesh axis > 1, XLA
+partitions the dispatch (split over "expert" where it divides them, replicated otherwise).
+Expert parallelism, when the mesh in context has an "expert" axis of size P > 1 (it must divide
+G; models/moe.py's `expert_parallel_mesh`): the unit is the department, since its experts share
+its weights. Each device holds G/P whole departments and their E/P experts' private matrices
+(experts of department g are g*E/G ... (g+1)*E/G - 1, so both splits line up). The router, the
+losses, the metrics and the bias stay outside, on the whole call; inside a `jax.shard_map` over
+every non-manual axis (models/moe.py's `expert_parallel_map`, tokens split over all axes), every
+(token, department) pair travels by one all_to_all over "expert" to its department's device with
+its token row, its department's local id and its K assignments that belong to that department
+(local expert ids and routing weights; the others marked "no expert", weight 0). The owner runs
+the three stages on the pairs it received, a second all_to_all returns each pair's [D] output,
+and the sender sums its L slots. Buffers: a token's departments are distinct, so at most
+min(L, G/P) of its pairs go to one device; n * min(L, G/P) rows per (source, destination) cannot
+overflow (dropless by construction). "dropped" is measured from the private matmuls' group sizes
+on the devices. Traffic per layer forward: 2 x P * n * min(L, G/P) rows of D (+ 2K small
+numbers) per device, i.e. per pair, not per assignment: a pair carries up to K/L assignments for
+the price of one row, which is where departments save communication over a plain MoE's
+per-assignment rows.
 """
 
 from __future__ import annotations
@@ -96,8 +112,9 @@ from flax import nnx
 from .auxiliary import record, report_metric
 from .config import ModelConfig, runtime_field
 from .layers import make_param, out_proj_std
-from .moe import (GROUPED_MATMULS, ROUTERS, RoutingBias, grouped_matmul, move_bias,
-                  report_routing, route_tokens, sort_by_group)
+from .moe import (GROUPED_MATMULS, ROUTERS, RoutingBias, expert_parallel_map,
+                  expert_parallel_mesh, grouped_matmul, move_bias, report_routing,
+                  return_to_senders, route_tokens, send_to_owners, sort_by_group)
 from .registry import register_config, register_ffn
 
 PLACEMENTS = ("hidden", "gate")
@@ -213,6 +230,46 @@ def department_slots(dept_nk: jax.Array, slots: int, n_departments: int
     return pair_nl, slot_nk
 
 
+def department_experts(x_nd: jax.Array, row_r: jax.Array, dept_r: jax.Array,
+                       expert_m: jax.Array, pair_m: jax.Array, weight_m: jax.Array,
+                       counts_e: jax.Array, weights: tuple[jax.Array, ...], *, placement: str,
+                       implementation: str | None, block: int) -> jax.Array:
+    """y_r [R,D]: the three-stage grouped matmul (module docstring) for R (token, department)
+    pairs. Pair r reads token row row_r[r] of x_nd and belongs to department dept_r[r] (G: none);
+    assignment m runs expert expert_m[m] (E: none) for pair pair_m[m] with weight weight_m[m]
+    (counts_e [E]: the real assignments per expert). weights = (gate [G,D,F], up [G,D,F],
+    private [E,p,p], down [G,F,D]) in the compute dtype."""
+    w_gate, w_up, w_private, w_down = weights
+    dt = x_nd.dtype
+    g, e, p = w_gate.shape[0], w_private.shape[0], w_private.shape[-1]
+    r = dept_r.shape[0]
+    gmm = lambda a, w, sizes: grouped_matmul(a, w, sizes, implementation, block)  # noqa: E731
+    # 1. per department: gate and up, once per (token, department).
+    order1, counts1, inverse1 = sort_by_group(dept_r, g)
+    x_r = jnp.take(x_nd, jnp.take(row_r, order1), axis=0)
+    gate = jnp.take(gmm(x_r, w_gate, counts1), inverse1, axis=0)  # [R,F], pair order
+    up = jnp.take(gmm(x_r, w_up, counts1), inverse1, axis=0)
+    # 2. per expert: the private matrix on the first p channels, weighted, summed into the
+    # assignment's pair; the other channels are shared, weighted by the pair's weight sum.
+    order2, _, _ = sort_by_group(expert_m, e)
+    src = jnp.take(pair_m, order2)
+    if placement == "hidden":
+        h = jax.nn.silu(gate) * up
+        z = gmm(jnp.take(h[:, :p], src, axis=0), w_private, counts_e)
+        rest = h[:, p:]
+    else:
+        z = (jax.nn.silu(gmm(jnp.take(gate[:, :p], src, axis=0), w_private, counts_e))
+             * jnp.take(up[:, :p], src, axis=0))
+        rest = jax.nn.silu(gate[:, p:]) * up[:, p:]
+    z = z.astype(jnp.float32) * jnp.take(weight_m, order2)[:, None]  # rows past: zero
+    w_r = jnp.zeros((r,), jnp.float32).at[pair_m].add(weight_m)  # no assignment: weight 0
+    s_r = jnp.concatenate([jnp.zeros((r, p), jnp.float32).at[src].add(z),
+                           rest.astype(jnp.float32) * w_r[:, None]], axis=1).astype(dt)
+    # 3. per department again: the shared down projection, once per (token, department).
+    y_r = gmm(jnp.take(s_r, order1, axis=0), w_down, counts1)
+    return jnp.take(y_r, inverse1, axis=0)
+
+
 @register_ffn("deamoe")
 class DeaMoE(nnx.Module):
     """Departments of experts sharing a SwiGLU, each expert a private square matrix (see the
@@ -256,12 +313,24 @@ class DeaMoE(nnx.Module):
         expert_m = jnp.where(jnp.repeat(real_n, k), ids_nk.reshape(-1), e)
         counts = jnp.zeros((e + 1,), jnp.int32).at[expert_m].add(1)[:e]
         pair_m = (jnp.arange(n, dtype=jnp.int32)[:, None] * slots + slot_nk).reshape(-1)
-        y_nd = self._three_stage(x_nd, pair_nl.reshape(-1), expert_m, pair_m,
-                                 weights_nk.reshape(-1), counts)
-        # Measured, not assumed: a real assignment whose pair slot holds another department (only
-        # if a token had more than L departments, which the routing rules out) was not processed.
-        lost_m = jnp.take(pair_nl.reshape(-1), pair_m) != dept_nk.reshape(-1)
-        processed = jnp.zeros((e + 1,), jnp.int32).at[jnp.where(lost_m, e, expert_m)].add(1)[:e]
+        weights = tuple(w[...].astype(dt) for w in (self.w_gate, self.w_up, self.w_private,
+                                                    self.w_down))
+        mesh = expert_parallel_mesh(g, "model.deamoe.num_departments")
+        if mesh is None:
+            y_nd = department_experts(
+                x_nd, jnp.arange(n * slots) // slots, pair_nl.reshape(-1), expert_m, pair_m,
+                weights_nk.reshape(-1), counts, weights, placement=c.private_placement,
+                implementation=c.grouped_matmul, block=c.gmm_block)
+            y_nd = jnp.sum(y_nd.reshape(n, slots, d).astype(jnp.float32), axis=1).astype(dt)
+            # Measured, not assumed: a real assignment whose pair slot holds another department
+            # (only if a token had more than L departments, which the routing rules out) was not
+            # processed.
+            lost_m = jnp.take(pair_nl.reshape(-1), pair_m) != dept_nk.reshape(-1)
+            processed = jnp.zeros((e + 1,), jnp.int32).at[
+                jnp.where(lost_m, e, expert_m)].add(1)[:e]
+        else:
+            y_nd, processed = self._department_parallel(
+                x_nd, pair_nl, expert_m.reshape(n, k), slot_nk, weights_nk, weights, mesh)
 
         report_routing(self, logits, counts, real_f, router=c.router, top_k=k,
                        load_balance_weight=c.load_balance_weight, z_loss_weight=c.z_loss_weight,
@@ -274,42 +343,49 @@ class DeaMoE(nnx.Module):
             move_bias(self.bias, counts, c.bias_update_rate)
         return y_nd.reshape(b, t, d)
 
-    def _three_stage(self, x_nd, pair_r, expert_m, pair_m, weight_m, counts_e) -> jax.Array:
-        """y [N,D] (module docstring, "Three-stage grouped matmul"). pair_r [R]: each pair slot's
-        department (G: none); expert_m, pair_m, weight_m [M]: each assignment's expert (E: none),
-        pair slot and routing weight."""
+    def _department_parallel(self, x_nd, pair_nl, ids_nk, slot_nk, weights_nk, weights, mesh
+                             ) -> tuple[jax.Array, jax.Array]:
+        """Expert parallelism (module docstring): departments (with their experts) split over the
+        mesh's "expert" axis; each (token, department) pair travels to its department's device
+        with its token row and its assignments in that department (local expert ids, weights),
+        the owner runs the three stages on what it received, the pair's output comes back.
+        Returns (y [N,D], processed [E])."""
         c = self.cfg.deamoe
-        dt = x_nd.dtype
-        n, d = x_nd.shape
-        gmm = lambda a, w, sizes: grouped_matmul(a, w[...].astype(dt), sizes,  # noqa: E731
-                                                 c.grouped_matmul, c.gmm_block)
-        # 1. per department: gate and up, once per (token, department).
-        order1, counts1, inverse1 = sort_by_group(pair_r, c.num_departments)
-        x_r = jnp.take(x_nd, order1 // c.slots, axis=0)
-        gate = jnp.take(gmm(x_r, self.w_gate, counts1), inverse1, axis=0)  # [R,F], pair order
-        up = jnp.take(gmm(x_r, self.w_up, counts1), inverse1, axis=0)
-        # 2. per expert: the private matrix on the first p channels, weighted, summed into the
-        # assignment's pair; the other channels are shared, weighted by the pair's weight sum.
-        p = self.w_private.shape[-1]
-        order2, _, _ = sort_by_group(expert_m, c.num_experts)
-        src = jnp.take(pair_m, order2)
-        if c.private_placement == "hidden":
-            h = jax.nn.silu(gate) * up
-            z = gmm(jnp.take(h[:, :p], src, axis=0), self.w_private, counts_e)
-            rest = h[:, p:]
-        else:
-            z = (jax.nn.silu(gmm(jnp.take(gate[:, :p], src, axis=0), self.w_private, counts_e))
-                 * jnp.take(up[:, :p], src, axis=0))
-            rest = jax.nn.silu(gate[:, p:]) * up[:, p:]
-        z = z.astype(jnp.float32) * jnp.take(weight_m, order2)[:, None]  # rows past: zero
-        r = pair_r.shape[0]
-        w_r = jnp.zeros((r,), jnp.float32).at[pair_m].add(weight_m)  # padding: weight 0
-        s_r = jnp.concatenate([jnp.zeros((r, p), jnp.float32).at[src].add(z),
-                               rest.astype(jnp.float32) * w_r[:, None]], axis=1).astype(dt)
-        # 3. per department again: the shared down projection, once per (token, department).
-        y_r = gmm(jnp.take(s_r, order1, axis=0), self.w_down, counts1)
-        y_r = jnp.take(y_r, inverse1, axis=0).reshape(n, c.slots, d)
-        return jnp.sum(y_r.astype(jnp.float32), axis=1).astype(dt)
+        g, e, k, slots = c.num_departments, c.num_experts, c.top_k, c.slots
+        per = e // g
+
+        def body(x, pair, ids, slot, w, *ws):
+            n_loc = x.shape[0]
+            g_loc, e_loc = ws[0].shape[0], ws[2].shape[0]
+            pair_r = pair.reshape(-1)
+            order, _, inverse = sort_by_group(pair_r, g)  # by department, hence by device
+            # A pair's assignments: the token's experts whose slot it is and whose department
+            # it holds (always both; checked, so an assignment can only run where it belongs).
+            mine = ((slot[:, None, :] == jnp.arange(slots)[None, :, None])
+                    & (ids[:, None, :] // per == pair[:, :, None])
+                    & (ids[:, None, :] < e))  # [n,L,K]; padding tokens' pairs go nowhere
+            e_rk = jnp.where(mine, ids[:, None, :] % e_loc, e_loc).reshape(-1, k)
+            w_rk = jnp.where(mine, w[:, None, :], 0.0).reshape(-1, k)
+            # A token's departments are distinct: at most min(L, g_loc) of its pairs per device.
+            slot_s, (x_recv, d_recv, e_recv, w_recv) = send_to_owners(
+                pair_r[order] // g_loc, n_loc * min(slots, g_loc),
+                [(jnp.take(x, order // slots, axis=0), 0), (pair_r[order] % g_loc, g_loc),
+                 (jnp.take(e_rk, order, axis=0), e_loc), (jnp.take(w_rk, order, axis=0), 0)])
+            rows = x_recv.shape[0]
+            expert_m = e_recv.reshape(-1)
+            counts = jnp.zeros((e_loc + 1,), jnp.int32).at[expert_m].add(1)[:e_loc]
+            y_recv = department_experts(
+                x_recv, jnp.arange(rows), d_recv, expert_m,
+                jnp.repeat(jnp.arange(rows, dtype=jnp.int32), k), w_recv.reshape(-1), counts, ws,
+                placement=c.private_placement, implementation=c.grouped_matmul,
+                block=c.gmm_block)
+            y_s = return_to_senders(y_recv, slot_s)
+            y_r = jnp.take(y_s, inverse, axis=0).reshape(n_loc, slots, -1)
+            return jnp.sum(y_r.astype(jnp.float32), axis=1).astype(x.dtype), counts
+
+        return expert_parallel_map(
+            body, mesh, [(x_nd, 0), (pair_nl, g), (ids_nk, e), (slot_nk, 0), (weights_nk, 0)],
+            list(weights))
 
     def flops_per_token(self) -> float:
         """Active forward FLOPs: router, the shared SwiGLU of at most L departments, K private

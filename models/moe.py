@@ -368,9 +368,9 @@ EXPERT_AXIS = "expert"
 TOKEN_AXES = ("data", "fsdp", "expert", "context", "tensor")
 
 
-def expert_parallel_mesh(num_experts: int):
+def expert_parallel_mesh(num_experts: int, field: str = "model.moe.num_experts"):
     """The context mesh (abstract) when its "expert" axis is > 1 and not manual, else None. Raises
-    ValueError when that axis does not divide num_experts."""
+    ValueError when that axis does not divide num_experts (the config `field` holding it)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or getattr(mesh, "empty", False) or not mesh.axis_names:
         return None
@@ -378,9 +378,8 @@ def expert_parallel_mesh(num_experts: int):
     if size <= 1:
         return None
     if num_experts % size:
-        raise ValueError(f"MoEConfig.num_experts={num_experts}: expert parallelism needs a "
-                         f"multiple of the mesh's {EXPERT_AXIS!r} axis ({size}); change "
-                         f"model.moe.num_experts or mesh.expert")
+        raise ValueError(f"{field}={num_experts}: expert parallelism needs a multiple of the "
+                         f"mesh's {EXPERT_AXIS!r} axis ({size}); change {field} or mesh.expert")
     return mesh
 
 
@@ -394,6 +393,63 @@ def _shard_map(fn, mesh, in_specs, out_specs):
                      auto=frozenset(mesh.axis_names) - axis_names)
 
 
+def expert_parallel_map(body, mesh, tokens: list[tuple[jax.Array, object]],
+                        weights: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """(y [N,D], processed [E]): `body(*token_shards, *weight_shards) -> (y [n_loc,D], counts
+    [E/P])` inside a shard_map over every non-manual axis of `mesh` (module docstring, "Expert
+    parallelism"). `tokens`: per-token arrays [N,...] with the value that pads them (the token
+    count is padded to a multiple of the token axes' product with tokens routed nowhere, cut off
+    again after); they split over every axis, `weights` ([E or G, ...]) over "expert" only. The
+    counts (the rows each device's grouped matmuls ran) are summed over the token axes that hold
+    the same experts and concatenated over "expert"."""
+    sizes = mesh_axis_sizes(mesh)
+    axes = tuple(a for a in TOKEN_AXES if sizes.get(a, 1) > 1)
+    others = tuple(a for a in axes if a != EXPERT_AXIS)  # token axes that hold the same experts
+    split = math.prod(sizes[a] for a in axes)
+    n = tokens[0][0].shape[0]
+    pad = -n % split
+    args = [jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1), constant_values=v) if pad else a
+            for a, v in tokens]
+
+    def wrapped(*a):
+        y, counts = body(*a)
+        return y, (jax.lax.psum(counts, others) if others else counts)
+
+    specs = tuple(P(axes, *([None] * (a.ndim - 1))) for a in args) + tuple(
+        P(EXPERT_AXIS, *([None] * (w.ndim - 1))) for w in weights)
+    y, processed = _shard_map(wrapped, mesh, specs, (P(axes, None), P(EXPERT_AXIS)))(*args,
+                                                                                       *weights)
+    return y[:n], processed
+
+
+def send_to_owners(dest_s: jax.Array, cap: int, payloads: list[tuple[jax.Array, object]]
+                   ) -> tuple[jax.Array, list[jax.Array]]:
+    """Inside expert_parallel_map's body: rows sorted by destination device along "expert"
+    (dest_s [S]; P = no destination, never sent) go out by one all_to_all per payload ([S,...]
+    rows, with the value that fills empty buffer rows). Each destination has a buffer of `cap`
+    rows per source; the caller guarantees no source sends more (dropless). Returns (slot_s [S]:
+    each row's place in the buffers, for return_to_senders; the received payloads [P*cap,...]:
+    source q's rows at q*cap, empty rows filled)."""
+    p_ex = jax.lax.axis_size(EXPERT_AXIS)
+    sent = jnp.zeros((p_ex + 1,), jnp.int32).at[dest_s].add(1)[:p_ex]
+    first = jnp.cumsum(sent) - sent
+    rank = jnp.arange(dest_s.shape[0], dtype=jnp.int32) - first[jnp.minimum(dest_s, p_ex - 1)]
+    slot_s = jnp.where(dest_s < p_ex, dest_s * cap + rank, p_ex * cap)  # nowhere: dropped
+    received = [_all_to_all(jnp.full((p_ex * cap,) + rows.shape[1:], fill, rows.dtype)
+                            .at[slot_s].set(rows, mode="drop")) for rows, fill in payloads]
+    return slot_s, received
+
+
+def return_to_senders(y_received: jax.Array, slot_s: jax.Array) -> jax.Array:
+    """The inverse trip of send_to_owners: the outputs of the received rows [P*cap,...] go back,
+    and each sent row gets its own (rows never sent: zero) -> [S,...]."""
+    return jnp.take(_all_to_all(y_received), slot_s, axis=0, mode="fill", fill_value=0)
+
+
+def _all_to_all(v: jax.Array) -> jax.Array:
+    return jax.lax.all_to_all(v, EXPERT_AXIS, 0, 0, tiled=True)
+
+
 def expert_parallel(x_nd: jax.Array, expert_nk: jax.Array, weights_nk: jax.Array,
                     w_gate_edf: jax.Array, w_up_edf: jax.Array, w_down_efd: jax.Array, *, mesh,
                     implementation: str | None = None, block: int = 128
@@ -403,58 +459,31 @@ def expert_parallel(x_nd: jax.Array, expert_nk: jax.Array, weights_nk: jax.Array
     processed [E] int32, the assignments each expert's grouped matmuls ran).
 
     expert_nk [N,K] int32: a token's K distinct experts, E (no expert) for padding tokens' slots.
-    Runs inside a shard_map over every non-manual axis of `mesh`; tokens split over all of them
-    (padded with unrouted tokens to a multiple of their product), experts over "expert" only.
     """
-    sizes = mesh_axis_sizes(mesh)
-    axes = tuple(a for a in TOKEN_AXES if sizes.get(a, 1) > 1)
-    others = tuple(a for a in axes if a != EXPERT_AXIS)  # token axes that hold the same experts
-    split = math.prod(sizes[a] for a in axes)
-    n, d = x_nd.shape
     k = expert_nk.shape[1]
     e = w_gate_edf.shape[0]
-    pad = -n % split
-    if pad:  # whole shards: the extra tokens are padding, never sent anywhere
-        x_nd = jnp.pad(x_nd, ((0, pad), (0, 0)))
-        expert_nk = jnp.pad(expert_nk, ((0, pad), (0, 0)), constant_values=e)
-        weights_nk = jnp.pad(weights_nk, ((0, pad), (0, 0)))
-    p_ex = sizes[EXPERT_AXIS]
-    tokens = P(axes, None)
-    experts = P(EXPERT_AXIS, None, None)
 
     def body(x, ids, w, wg, wu, wd):
         n_loc = x.shape[0]
         e_loc = wg.shape[0]
-        # Per (source, destination) pair a buffer of `cap` rows: a token's K experts are distinct,
-        # so at most min(K, e_loc) of them live on one device -- no assignment can overflow it.
-        cap = n_loc * min(k, e_loc)
+        # A token's K experts are distinct, so at most min(K, e_loc) of them live on one device:
+        # a buffer of n_loc * min(K, e_loc) rows per (source, destination) cannot overflow.
         expert_m = ids.reshape(-1)
         order, _, inverse = sort_by_group(expert_m, e)  # by expert, hence by destination
-        dest_s = expert_m[order] // e_loc  # p_ex for padding
-        sent = jnp.zeros((p_ex + 1,), jnp.int32).at[dest_s].add(1)[:p_ex]
-        first = jnp.cumsum(sent) - sent
-        rank = jnp.arange(n_loc * k, dtype=jnp.int32) - first[jnp.minimum(dest_s, p_ex - 1)]
-        slot_s = jnp.where(dest_s < p_ex, dest_s * cap + rank, p_ex * cap)  # padding: nowhere
-        x_send = jnp.zeros((p_ex * cap, x.shape[1]), x.dtype).at[slot_s].set(
-            jnp.take(x, order // k, axis=0), mode="drop")
-        e_send = jnp.full((p_ex * cap,), e_loc, jnp.int32).at[slot_s].set(
-            expert_m[order] % e_loc, mode="drop")
-        a2a = lambda v: jax.lax.all_to_all(v, EXPERT_AXIS, 0, 0, tiled=True)  # noqa: E731
-        x_recv, e_recv = a2a(x_send), a2a(e_send)  # [p_ex * cap, ...]: source q's rows at q*cap
+        slot_s, (x_recv, e_recv) = send_to_owners(
+            expert_m[order] // e_loc, n_loc * min(k, e_loc),
+            [(jnp.take(x, order // k, axis=0), 0), (expert_m[order] % e_loc, e_loc)])
         order2, counts, inverse2 = sort_by_group(e_recv, e_loc)  # empty slots past the groups
         y_sorted = swiglu_experts(jnp.take(x_recv, order2, axis=0), wg, wu, wd, counts,
                                   implementation, block)
-        y_back = a2a(jnp.take(y_sorted, inverse2, axis=0))  # my assignments' rows, at slot_s
-        y_s = jnp.take(y_back, slot_s, axis=0, mode="fill", fill_value=0)
+        y_s = return_to_senders(jnp.take(y_sorted, inverse2, axis=0), slot_s)
         y_nkd = jnp.take(y_s, inverse, axis=0).reshape(n_loc, k, -1)
         y = jnp.einsum("nkd,nk->nd", y_nkd, w.astype(x.dtype),
                        preferred_element_type=jnp.float32).astype(x.dtype)
-        return y, (jax.lax.psum(counts, others) if others else counts)
+        return y, counts
 
-    y, processed = _shard_map(body, mesh, (tokens, tokens, tokens, experts, experts, experts),
-                              (tokens, P(EXPERT_AXIS)))(x_nd, expert_nk, weights_nk, w_gate_edf,
-                                                        w_up_edf, w_down_efd)
-    return y[:n], processed
+    return expert_parallel_map(body, mesh, [(x_nd, 0), (expert_nk, e), (weights_nk, 0)],
+                               [w_gate_edf, w_up_edf, w_down_efd])
 
 
 # ----------------------------------------------------------------------------- the FFN

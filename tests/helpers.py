@@ -8,6 +8,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from aiinfra_jax.config import load_config
 
@@ -84,3 +85,75 @@ def assert_ffn_matches_reference(m, reference, x, seg, ct, *, atol: float) -> ja
         assert float(jnp.abs(a).max()) > 0, name  # every weight (router included) gets gradient
     np.testing.assert_allclose(g1[1], g2[1], rtol=1e-4, atol=atol)
     return y1
+
+
+def assert_expert_parallel_matches_single_device(m, d: int) -> None:
+    """An MoE-style FFN module m (moe / deamoe, with a sigmoid router's `bias`) on a data=2 x
+    expert=2 x tensor=2 mesh (tokens split over all three, expert weights also over tensor,
+    gathered inside the shard_map) against one device: the output, every gradient (router
+    included), the aux losses and metrics, the routing trace and the bias update; with padding;
+    and the forward of a batch of 15 tokens, a count no mesh axis divides (padded inside),
+    replicated as a small decode batch would be. The compiled program must hold the all-to-alls
+    (2 calls x 2 forward + 2 backward)."""
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from aiinfra_jax import sharding as shd
+    from aiinfra_jax.config import MeshConfig
+    from aiinfra_jax.models import auxiliary
+
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices (tests/conftest.py sets 8 simulated CPU devices)")
+    graphdef, state = nnx.split(m)
+    params = nnx.to_pure_dict(nnx.split(m, nnx.Param, ...)[1])
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(8, 3, d)), jnp.float32)
+    ct = jnp.asarray(rng.normal(size=(8, 3, d)), jnp.float32)
+    x15 = jnp.asarray(rng.normal(size=(3, 5, d)), jnp.float32)
+    seg = np.ones((8, 3), np.int32)
+    seg[1, 1:] = 0
+    seg[6, :] = 0
+    seg = jnp.asarray(seg)
+
+    def loss(p, x_btd, x15):
+        st = jax.tree.map(lambda v: v, state)
+        nnx.replace_by_pure_dict(st, p)
+        model = nnx.merge(graphdef, st)
+        y15 = jax.lax.stop_gradient(model(x15))  # no rngs: the bias stays
+        auxiliary.pop_outputs(model)
+        y = model(x_btd, segment_ids=seg, rngs=nnx.Rngs(0))  # training call: the bias moves
+        out = auxiliary.pop_outputs(model)
+        total = jnp.sum(y * ct) + sum(out["losses"].values())
+        return total, (y, out, model.bias[...], y15)
+
+    grad_fn = jax.value_and_grad(loss, (0, 1), has_aux=True)
+    (l1, (y1, out1, bias1, y15_1)), g1 = jax.jit(grad_fn)(params, x, x15)
+
+    mesh = shd.make_mesh(MeshConfig(data=2, expert=2, tensor=2, num_devices=8))
+    p_sh = shd.param_shardings(nnx.split(m, nnx.Param, ...)[1], mesh)
+    assert p_sh["w_gate"].spec == P("expert", None, "tensor")
+    x_sh = NamedSharding(mesh, P(shd.BATCH_AXES))
+    step = jax.jit(shd.with_activation_rules(grad_fn, mesh),
+                   in_shardings=(p_sh, x_sh, NamedSharding(mesh, P())))
+    args = jax.device_put(params, p_sh), jax.device_put(x, x_sh), x15
+    compiled = step.lower(*args).compile()
+    assert compiled.as_text().count("all-to-all") >= 8  # 2 calls x (2 forward + 2 backward)
+    (l8, (y8, out8, bias8, y15_8)), g8 = compiled(*args)
+
+    np.testing.assert_allclose(y8, y1, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(y15_8, y15_1, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(l8, l1, rtol=1e-5)
+    np.testing.assert_array_equal(bias8, bias1)
+    np.testing.assert_array_equal(out8["intermediates"]["expert_ids"],
+                                  out1["intermediates"]["expert_ids"])
+    for kind in ("losses", "metrics"):
+        assert set(out8[kind]) == set(out1[kind])
+        for name, v in out1[kind].items():
+            np.testing.assert_allclose(out8[kind][name], v, rtol=1e-5, atol=1e-7, err_msg=name)
+    assert float(out8["metrics"]["dropped"]) == 0.0
+    ref = dict(jax.tree_util.tree_leaves_with_path(g1[0]))
+    for path, a in jax.tree_util.tree_leaves_with_path(g8[0]):
+        name = jax.tree_util.keystr(path)
+        np.testing.assert_allclose(a, ref[path], rtol=1e-4, atol=1e-6, err_msg=name)
+        assert float(jnp.abs(a).max()) > 0, name
+    np.testing.assert_allclose(g8[1], g1[1], rtol=1e-4, atol=1e-6)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import assert_ffn_matches_reference
+from helpers import assert_expert_parallel_matches_single_device, assert_ffn_matches_reference
 from aiinfra_jax.models import ModelConfig, auxiliary
 from aiinfra_jax.models.deamoe import DeaMoE, DeaMoEConfig, department_slots
 from aiinfra_jax.models.layers import SwiGLU
@@ -228,3 +228,19 @@ def test_tiny_training_run(tmp_path):
                 "aux/ffn/dropped", "aux/ffn/load_max/layer_1"):
         assert key in last and np.isfinite(last[key]), key
     assert 1.0 <= last["aux/ffn/departments"] <= 2.0 and last["aux/ffn/dropped"] == 0.0
+
+
+# ----------------------------------------------------------------------------- expert parallelism
+
+
+@pytest.mark.parametrize("placement,private_dim", [("hidden", 5), ("gate", None)])
+def test_department_parallel_on_8_devices_equals_single_device(placement, private_dim):
+    """Departments (with their experts) split over the mesh's "expert" axis, (token, department)
+    pairs exchanged by all-to-all inside shard_map (models/deamoe.py, _department_parallel), on
+    data=2 x expert=2 x tensor=2: equals one device (helpers.assert_expert_parallel_matches_
+    single_device), with padding and sigmoid routing with its bias, 2 departments per device."""
+    m = _module(num_experts=8, num_departments=4, top_k=3, department_limit=2, router="sigmoid",
+                private_placement=placement, private_dim=private_dim, load_balance_weight=0.5,
+                z_loss_weight=0.25)
+    m.bias[...] = jnp.asarray(np.random.default_rng(7).normal(0, 0.2, 8), jnp.float32)
+    assert_expert_parallel_matches_single_device(m, D)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import assert_ffn_matches_reference
+from helpers import assert_expert_parallel_matches_single_device, assert_ffn_matches_reference
 from aiinfra_jax.config import runtime_keys
 from aiinfra_jax.models import ModelConfig, auxiliary
 from aiinfra_jax.models.layers import SwiGLU
@@ -321,72 +321,10 @@ def test_tiny_training_run_logs_aux_and_moves_the_bias(tmp_path):
 
 def test_expert_parallel_on_8_devices_equals_single_device():
     """Experts split over the mesh's "expert" axis, tokens exchanged by all-to-all inside
-    shard_map (models/moe.py, expert_parallel), on data=2 x expert=2 x tensor=2 (tokens split
-    over all three, expert weights also over tensor, gathered inside): the output, every gradient
-    (router included), the aux losses and metrics, the routing trace and the bias update equal one
-    device's, with padding, group-limited sigmoid routing and a shared expert; and the forward of
-    a batch of 15 tokens, a count no mesh axis divides (padded inside), replicated as a small
-    decode batch would be."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from aiinfra_jax import sharding as shd
-    from aiinfra_jax.config import MeshConfig
-
-    if len(jax.devices()) < 8:
-        pytest.skip("needs 8 devices (tests/conftest.py sets 8 simulated CPU devices)")
+    shard_map (models/moe.py, expert_parallel), on data=2 x expert=2 x tensor=2: equals one
+    device (helpers.assert_expert_parallel_matches_single_device), with padding, group-limited
+    sigmoid routing and a shared expert."""
     m = _module(**{**CASES["blocked-sigmoid-groups-shared"], "grouped_matmul": None,
                    "load_balance_weight": 0.5, "z_loss_weight": 0.25})
     m.bias[...] = jnp.asarray(np.random.default_rng(7).normal(0, 0.2, 8), jnp.float32)
-    graphdef, state = nnx.split(m)
-    params = nnx.to_pure_dict(nnx.split(m, nnx.Param, ...)[1])
-    rng = np.random.default_rng(4)
-    x = jnp.asarray(rng.normal(size=(8, 3, D)), jnp.float32)
-    ct = jnp.asarray(rng.normal(size=(8, 3, D)), jnp.float32)
-    x15 = jnp.asarray(rng.normal(size=(3, 5, D)), jnp.float32)
-    seg = np.ones((8, 3), np.int32)
-    seg[1, 1:] = 0
-    seg[6, :] = 0
-    seg = jnp.asarray(seg)
-
-    def loss(p, x_btd, x15):
-        st = jax.tree.map(lambda v: v, state)
-        nnx.replace_by_pure_dict(st, p)
-        model = nnx.merge(graphdef, st)
-        y15 = jax.lax.stop_gradient(model(x15))  # no rngs: the bias stays
-        auxiliary.pop_outputs(model)
-        y = model(x_btd, segment_ids=seg, rngs=nnx.Rngs(0))  # training call: the bias moves
-        out = auxiliary.pop_outputs(model)
-        total = jnp.sum(y * ct) + sum(out["losses"].values())
-        return total, (y, out, model.bias[...], y15)
-
-    grad_fn = jax.value_and_grad(loss, (0, 1), has_aux=True)
-    (l1, (y1, out1, bias1, y15_1)), g1 = jax.jit(grad_fn)(params, x, x15)
-
-    mesh = shd.make_mesh(MeshConfig(data=2, expert=2, tensor=2, num_devices=8))
-    p_sh = shd.param_shardings(nnx.split(m, nnx.Param, ...)[1], mesh)
-    assert p_sh["w_gate"].spec == P("expert", None, "tensor")
-    x_sh = NamedSharding(mesh, P(shd.BATCH_AXES))
-    step = jax.jit(shd.with_activation_rules(grad_fn, mesh),
-                   in_shardings=(p_sh, x_sh, NamedSharding(mesh, P())))
-    args = jax.device_put(params, p_sh), jax.device_put(x, x_sh), x15
-    compiled = step.lower(*args).compile()
-    assert compiled.as_text().count("all-to-all") >= 8  # 2 calls x (2 forward + 2 backward)
-    (l8, (y8, out8, bias8, y15_8)), g8 = compiled(*args)
-
-    np.testing.assert_allclose(y8, y1, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(y15_8, y15_1, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(l8, l1, rtol=1e-5)
-    np.testing.assert_array_equal(bias8, bias1)
-    np.testing.assert_array_equal(out8["intermediates"]["expert_ids"],
-                                  out1["intermediates"]["expert_ids"])
-    for kind in ("losses", "metrics"):
-        assert set(out8[kind]) == set(out1[kind])
-        for name, v in out1[kind].items():
-            np.testing.assert_allclose(out8[kind][name], v, rtol=1e-5, atol=1e-7, err_msg=name)
-    assert float(out8["metrics"]["dropped"]) == 0.0
-    ref = dict(jax.tree_util.tree_leaves_with_path(g1[0]))
-    for path, a in jax.tree_util.tree_leaves_with_path(g8[0]):
-        name = jax.tree_util.keystr(path)
-        np.testing.assert_allclose(a, ref[path], rtol=1e-4, atol=1e-6, err_msg=name)
-        assert float(jnp.abs(a).max()) > 0, name
-    np.testing.assert_allclose(g8[1], g1[1], rtol=1e-4, atol=1e-6)
+    assert_expert_parallel_matches_single_device(m, D)
