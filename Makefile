@@ -9,7 +9,7 @@ CONFIG ?= configs/nsa_tiny.py
 ARGS   ?=
 
 .PHONY: train test install install-dev bench-train bench-kernels bench-nsa bench-attnres bench-moe \
-	bench-generate bench-leapquant bench-gpu bench-surgery profile-step clean-venv
+	bench-moe-quality bench-generate bench-leapquant bench-gpu bench-surgery profile-step clean-venv
 
 $(VENV)/.stamp-base: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,6 +54,11 @@ MOE_RUN ?= runs/moe_tiny
 DEAMOE_RUN ?= runs/deamoe_tiny
 bench-moe: $(VENV)/.stamp-base
 	$(PY) -m aiinfra_jax.eval.bench_moe --moe $(MOE_RUN) --deamoe $(DEAMOE_RUN) $(ARGS)
+
+# Dense vs MoE vs DeaMoE: five tiny runs (about 40 minutes on 2 cores; finished runs are read, not
+# retrained), loss curves as a PNG, bytes per decode step and FFN times from the trained models.
+bench-moe-quality: $(VENV)/.stamp-base
+	$(PY) -m aiinfra_jax.eval.bench_moe --quality $(ARGS)
 
 # Prefill and decode tokens/s of generate (tiny dense, NSA and AttnRes presets, 1K/4K context,
 # batch 1/8), beside the bytes one decode step moves.

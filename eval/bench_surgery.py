@@ -23,35 +23,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from aiinfra_jax.config import load_config
-from aiinfra_jax.train import train
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _run(name: str, preset: str, out: Path, overrides: list[str]) -> dict:
-    run_dir = out / name
-    if (run_dir / "summary.json").exists():
-        print(f"{name}: reading the finished run in {run_dir}", flush=True)
-    else:
-        print(f"{name}: training ({preset} {' '.join(overrides)})", flush=True)
-        cfg = load_config(str(ROOT / "configs" / preset),
-                          [f"run.output_dir={out}", f"run.name={name}", "run.resume=never"]
-                          + overrides)
-        train(cfg, quiet=True)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    lines = [json.loads(x) for x in
-             (run_dir / "logs" / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    return {"name": name, "run_dir": str(run_dir), "overrides": overrides,
-            "train": [(x["step"], x["loss"]) for x in lines if "loss" in x],
-            "val": [(x["step"], x["val/loss"]) for x in lines if "val/loss" in x],
-            "final_train_loss": summary["final_train_loss"],
-            "final_val_loss": summary["validation"]["loss"],
-            "final_val_accuracy": summary["validation"]["accuracy"]}
-
-
-def _at(curve: list, step: int) -> float | None:
-    return next((v for s, v in curve if s == step), None)
+from aiinfra_jax.eval.runs import train_or_read as _run, value_at as _at
 
 
 def plot(runs: dict, path: Path) -> None:

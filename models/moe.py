@@ -34,9 +34,10 @@ once it is, it belongs behind kernels/grouped_matmul (the roadmap's next kernel 
 its place by a speed-up measured on an accelerator. On CPU, XLA expands `ragged_dot` into a
 masked batched dot over all E experts ([E,M,D] x [E,D,F]): E/K times the active FLOPs and an
 [E,M,F] temporary, the very blow-up dropless routing exists to avoid. "blocked" is the CPU path
-without it: every expert's rows are padded to a multiple of `gmm_block` rows and a
+without it: every expert's rows are padded to a multiple of a block of b rows and a
 `jax.lax.map` over the blocks multiplies each block by its one expert's matrix (FLOPs
-(M + E * gmm_block) * D * F; no buffer larger than the padded rows). None (the default) picks per
+(M + E * b) * D * F; no buffer larger than the padded rows), b = `gmm_block` or, when the call
+has fewer rows per expert (decode), the power of two >= M/E (at least 8). None (the default) picks per
 platform the function is lowered for, with `jax.lax.platform_dependent` as kernels/_dispatch.py
 does: "blocked" on CPU, "ragged_dot" elsewhere. Measured on this 2-core CPU (forward + backward,
 16 x 256 tokens, D 256, E 8, K 2, F 352, machine shared and loaded): "ragged_dot" costs what a
@@ -328,6 +329,9 @@ def grouped_matmul(x_md: jax.Array, w_edf: jax.Array, group_sizes_e: jax.Array,
                          f"{GROUPED_MATMULS}")
     m, d = x_md.shape
     e = w_edf.shape[0]
+    # No block larger than the rows could fill on average (a power of two >= m/E, at least 8): at
+    # decode (m = batch * K rows) a 128-row block would multiply E blocks of mostly zero rows.
+    block = min(block, max(8, 1 << (-(-m // e) - 1).bit_length()))
     n_blocks = -(-m // block) + e  # sum_e ceil(size_e / block) never exceeds it
     sizes = group_sizes_e.astype(jnp.int32)
     ends = jnp.cumsum(sizes)

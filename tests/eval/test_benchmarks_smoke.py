@@ -109,3 +109,34 @@ def test_bench_attnres_memory_toy(tmp_path):
     mem = {(r["setting"], r["residual"], r["remat"]): r["grad_temp_mib"] for r in rows}
     assert len(mem) == 4  # {shallow, deep} x {remat none, full}
     assert mem[("deep L=4", "attnres_full", "full")] < mem[("deep L=4", "attnres_full", "none")]
+
+
+def test_bench_moe_quality_parts():
+    """eval/bench_moe.py --quality's pieces on fresh tiny models: the FFN weight counts of its table
+    equal the modules' parameters (router excluded), layer 0's FFN comes out of a scanned stack
+    with its own weights, and the FFN timer returns a time for every batch and the train step."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from aiinfra_jax.config import load_config
+    from aiinfra_jax.eval import bench_moe
+    from aiinfra_jax.models import Transformer
+
+    small = ["model.d_model=32", "model.n_layers=2", "model.vocab_size=64"]
+    for preset, over in (("tiny.py", []), ("moe_tiny.py", bench_moe.FINE),
+                         ("deamoe_tiny.py", ["model.deamoe.department_d_ff=24",
+                                             "model.deamoe.private_dim=8"])):
+        cfg = load_config(f"configs/{preset}", small + over)
+        model = Transformer(cfg.model, rngs=nnx.Rngs(0))
+        ffn = bench_moe.first_ffn(model, cfg)
+        params = nnx.state(ffn, nnx.Param)
+        n = sum(int(np.prod(v.shape)) for path, v in jax.tree_util.tree_leaves_with_path(params)
+                if "w_router" not in jax.tree_util.keystr(path))
+        total, used = bench_moe.ffn_weights(cfg)
+        assert n == total and 0 < used <= total, preset
+        stacked = model.blocks.layers[0].ffn.w_gate[...] if cfg.model.scan_layers else None
+        if stacked is not None:
+            np.testing.assert_array_equal(ffn.w_gate[...], stacked[0])
+        times = bench_moe.time_ffn(ffn, 32, [1, 3], (2, 8), repeats=1)
+        assert set(times["decode"]) == {1, 3} and times["train"] > 0
