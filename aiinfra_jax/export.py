@@ -106,7 +106,7 @@ Say = Callable[[str], None]
 
 # ----------------------------------------------------------------------------- the naming scheme
 
-def _keys(path: tuple) -> list[str]:
+def path_keys(path: tuple) -> list[str]:
     out = []
     for k in path:
         for attr in ("key", "idx", "name"):
@@ -118,7 +118,7 @@ def _keys(path: tuple) -> list[str]:
     return out
 
 
-def _names(keys: list[str], cfg: ModelConfig) -> list[tuple[str, int | None]]:
+def export_names(keys: list[str], cfg: ModelConfig) -> list[tuple[str, int | None]]:
     """The exported names of the leaf at `keys` of a params (or state) tree: [(name, r)], r the
     index into a leading "layers" axis (scan_layers) or None for a leaf stored as it is."""
     if keys[0] != "blocks":
@@ -135,11 +135,11 @@ def _names(keys: list[str], cfg: ModelConfig) -> list[tuple[str, int | None]]:
     return [(f"layers.{r * size + p}.{rest}", None)]
 
 
-def _tree_tensors(tree: Any, cfg: ModelConfig) -> dict[str, np.ndarray]:
+def tree_tensors(tree: Any, cfg: ModelConfig) -> dict[str, np.ndarray]:
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         array = np.asarray(jax.device_get(leaf))
-        for name, r in _names(_keys(path), cfg):
+        for name, r in export_names(path_keys(path), cfg):
             out[name] = array if r is None else array[r]
     return out
 
@@ -148,13 +148,14 @@ def model_tensors(model) -> tuple[dict[str, np.ndarray], list[str]]:
     """(named host tensors of a model by the naming scheme, the names that are non-parameter
     state), in natural order (embed, layers.0..., final_norm, head)."""
     params, state = init_variables(model)
-    tensors = _tree_tensors(params, model.cfg)
-    extra = _tree_tensors(state, model.cfg)
+    tensors = tree_tensors(params, model.cfg)
+    extra = tree_tensors(state, model.cfg)
     clash = sorted(set(tensors) & set(extra))
     if clash:
         raise ExportError(f"parameter and state names collide: {clash[:5]}")
     tensors.update(extra)
-    return {k: tensors[k] for k in sorted(tensors, key=_natural)}, sorted(extra, key=_natural)
+    ordered = {k: tensors[k] for k in sorted(tensors, key=natural_order)}
+    return ordered, sorted(extra, key=natural_order)
 
 
 def tensor_shapes(cfg: ModelConfig, seed: int = 0) -> dict[str, jax.ShapeDtypeStruct]:
@@ -163,20 +164,20 @@ def tensor_shapes(cfg: ModelConfig, seed: int = 0) -> dict[str, jax.ShapeDtypeSt
     out = {}
     for tree in (nnx.to_pure_dict(params), nnx.to_pure_dict(rest)):
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-            for name, r in _names(_keys(path), cfg):
+            for name, r in export_names(path_keys(path), cfg):
                 shape = leaf.shape if r is None else leaf.shape[1:]
                 out[name] = jax.ShapeDtypeStruct(shape, leaf.dtype)
-    return {k: out[k] for k in sorted(out, key=_natural)}
+    return {k: out[k] for k in sorted(out, key=natural_order)}
 
 
 def tree_from_tensors(abstract: Any, tensors: Mapping[str, np.ndarray], cfg: ModelConfig,
                        where: str, used: set[str]) -> Any:
-    """The inverse of _tree_tensors: arrays for the leaves of `abstract` (ShapeDtypeStructs),
+    """The inverse of tree_tensors: arrays for the leaves of `abstract` (ShapeDtypeStructs),
     each checked for shape and dtype."""
 
     def build(path, leaf):
         parts = []
-        for name, r in _names(_keys(path), cfg):
+        for name, r in export_names(path_keys(path), cfg):
             if name not in tensors:
                 raise ExportError(f"{where}: tensor {name!r} is missing; the files do not hold "
                                   "the model config.json describes")
@@ -193,7 +194,7 @@ def tree_from_tensors(abstract: Any, tensors: Mapping[str, np.ndarray], cfg: Mod
     return jax.tree_util.tree_map_with_path(build, abstract)
 
 
-def _natural(name: str) -> tuple:
+def natural_order(name: str) -> tuple:
     """Sort key: the model's order (embed, layers by number, then the rest), else by name."""
     parts = name.split(".")
     rank = {"embed": 0, "layers": 1}.get(parts[0], 2)
@@ -462,7 +463,7 @@ def load_safetensors(directory: str | Path, *, overrides: Sequence[str] = ()) ->
         model_state = tree_from_tensors(nnx.to_pure_dict(rest), tensors, cfg.model, str(d), used)
         model_state = jax.tree.map(jax.device_put, model_state,
                                    shd.param_shardings(rest, mesh))
-    extra = sorted(set(tensors) - used, key=_natural)
+    extra = sorted(set(tensors) - used, key=natural_order)
     if extra:
         raise ExportError(f"{d}: tensors {extra[:5]} are not part of the model config.json "
                           "describes")

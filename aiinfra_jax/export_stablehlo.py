@@ -77,7 +77,7 @@ import numpy as np
 from flax import nnx
 
 from aiinfra_jax import generate as gen
-from aiinfra_jax.export import _keys, _names, _natural, human, read_safetensors
+from aiinfra_jax.export import path_keys, export_names, natural_order, human, read_safetensors
 from aiinfra_jax.hf import ExportError
 from aiinfra_jax.load import LoadedModel
 from aiinfra_jax.steps import abstract_model, merge_model
@@ -145,7 +145,7 @@ def _tree(abstract: Any, weights: Mapping[str, Any], cfg, used: set[str]) -> Any
     (aiinfra_jax/export.py), checked for shape and dtype; works on tracers."""
 
     def take(path, leaf):
-        (name, r), = _names(_keys(path), cfg)
+        (name, r), = export_names(path_keys(path), cfg)
         if name not in weights:
             raise ExportError(f"tensor {name!r} is missing from the weights; the files do not hold "
                               "the model the config describes")
@@ -168,7 +168,7 @@ def _model_builder(cfg) -> Callable[[Mapping[str, Any]], nnx.Module]:
         used: set[str] = set()
         params = _tree(nnx.to_pure_dict(abstract_params), weights, cfg_u, used)
         state = _tree(nnx.to_pure_dict(rest), weights, cfg_u, used) if has_state else None
-        extra = sorted(set(weights) - used, key=_natural)
+        extra = sorted(set(weights) - used, key=natural_order)
         if extra:
             raise ExportError(f"tensors {extra[:5]} are not part of the model the config "
                               "describes")
@@ -183,10 +183,10 @@ def _functions(cfg, max_len: int):
     def prefill(weights, tokens, lengths):
         # generate.py's own prefill (one chunk of the whole padded prompt), cache of max_len.
         graphdef, state = nnx.split(build(weights))
-        return gen._prefill(graphdef, state, tokens, lengths, max_len, tokens.shape[1])
+        return gen.run_prefill(graphdef, state, tokens, lengths, max_len, tokens.shape[1])
 
     def decode(weights, cache, tokens, positions):
-        return gen._step(build(weights), cache, tokens, positions)
+        return gen.run_step(build(weights), cache, tokens, positions)
 
     return build, jax.jit(prefill), jax.jit(decode)
 
@@ -227,7 +227,7 @@ def _mixer_of(cfg, p: int) -> str:
 def _cache_layout(cache_spec: Any, cfg, batch) -> list[dict[str, Any]]:
     out = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(cache_spec)[0]:
-        keys = _keys(path)
+        keys = path_keys(path)
         r, p, rest = int(keys[0]), int(keys[1]), keys[2:]
         mixer = _mixer_of(cfg, p)
         owner = "short_conv" if rest == ["conv"] and cfg.short_conv else mixer

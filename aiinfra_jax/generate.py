@@ -80,7 +80,9 @@ def _merge(graphdef, state) -> nnx.Module:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5))
-def _prefill(graphdef, state, tokens_bt, lengths_b, max_len: int, chunk: int):
+def run_prefill(graphdef, state, tokens_bt, lengths_b, max_len: int, chunk: int):
+    """The compiled prefill of `prefill` on a split model: (logits [B,V] at each row's last prompt
+    token, cache). Public for the exporters (export_stablehlo lowers it as it is)."""
     model = _merge(graphdef, state)
     batch, seq = tokens_bt.shape
     n_chunks = seq // chunk
@@ -115,7 +117,9 @@ def _prefill(graphdef, state, tokens_bt, lengths_b, max_len: int, chunk: int):
     return model.logits(last_b1d)[:, 0], cache
 
 
-def _step(model, cache, tokens_b, positions_b):
+def run_step(model, cache, tokens_b, positions_b):
+    """One cached decode step of a merged model: (logits [B,V], cache). Not jitted; the callers
+    (decode_step, generate's loop, export_stablehlo) compile it in their own programs."""
     logits, cache, _ = model(tokens_b[:, None], positions=positions_b[:, None], cache=cache)
     return logits[:, 0], cache
 
@@ -123,7 +127,7 @@ def _step(model, cache, tokens_b, positions_b):
 # The cache is donated: a decode step updates it in place instead of copying all S slots.
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
 def _decode_step(graphdef, state, cache, tokens_b, positions_b):
-    return _step(_merge(graphdef, state), cache, tokens_b, positions_b)
+    return run_step(_merge(graphdef, state), cache, tokens_b, positions_b)
 
 
 def prefill(model: nnx.Module, tokens: jax.Array, lengths: jax.Array, max_len: int, *,
@@ -155,7 +159,7 @@ def prefill(model: nnx.Module, tokens: jax.Array, lengths: jax.Array, max_len: i
         tokens = jnp.pad(tokens, ((0, 0), (0, padded - seq)))
         max_len = max(max_len, padded)
     graphdef, state = nnx.split(model)
-    return _prefill(graphdef, state, tokens, lengths, int(max_len), chunk)
+    return run_prefill(graphdef, state, tokens, lengths, int(max_len), chunk)
 
 
 def decode_step(model: nnx.Module, cache: Any, tokens: jax.Array,
@@ -194,7 +198,7 @@ def _decode_loop(graphdef, state, cache, first_logits, lengths_b, max_new: int,
 
     def body(carry):
         step, cache, tok, pos, done, out, n_out = carry
-        logits, cache = _step(model, cache, tok, pos)
+        logits, cache = run_step(model, cache, tok, pos)
         new = jnp.where(done, pad_id, pick(logits, step))
         out = jax.lax.dynamic_update_slice(out, new[:, None], (0, step))
         n_out = n_out + (~done).astype(jnp.int32)

@@ -42,7 +42,7 @@ from flax import nnx
 
 from aiinfra_jax import hf
 from aiinfra_jax.config import ConfigError
-from aiinfra_jax.export import _natural, _tree_tensors, read_safetensors, tree_from_tensors
+from aiinfra_jax.export import natural_order, tree_tensors, read_safetensors, tree_from_tensors
 from aiinfra_jax.models.config import ModelConfig
 from aiinfra_jax.models.registry import MIXERS
 
@@ -160,7 +160,7 @@ def transplant(cfg: ModelConfig, fresh: Mapping[str, np.ndarray], source: Source
         else:
             out[name] = init
             report["initialised"].append(name)
-    report["unused"] = sorted(set(src) - used, key=_natural)
+    report["unused"] = sorted(set(src) - used, key=natural_order)
     if not used:
         raise ConfigError(f"checkpoint.initialize_from: no tensor of {source.where} fits this "
                           "model (no shared names); is it the model you meant?")
@@ -220,7 +220,7 @@ def initialize_params(trainer, spec: str, say: Callable[[str], None]) -> tuple[d
     cfg = trainer.cfg.model
     source = read_source(spec)
     state = trainer.init_state()
-    fresh = _tree_tensors(state["params"], cfg)
+    fresh = tree_tensors(state["params"], cfg)
     tensors, report = transplant(cfg, fresh, source)
     params = tree_from_tensors(nnx.to_pure_dict(trainer.abstract_params), tensors, cfg,
                                source.where, set())

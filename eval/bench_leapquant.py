@@ -71,7 +71,7 @@ from flax import nnx
 
 from aiinfra_jax.config import load_config
 from aiinfra_jax.data import sources as sources_lib
-from aiinfra_jax.data.pipeline import _Tokenize
+from aiinfra_jax.data.pipeline import Tokenize
 from aiinfra_jax.data.sources import EmbeddedCorpus
 from aiinfra_jax.data.tokenizer import load_tokenizer
 from aiinfra_jax.generate import decode_step, prefill
@@ -219,7 +219,7 @@ def validation_rows(cfg, tokenizer, docs: int, length: int) -> dict:
     """The first `docs` documents of cfg's validation split with >= length + 1 tokens, each cut to
     its first length + 1: {"tokens" [docs, length+1] int32, "weights" [docs, length+1] float32,
     "ids", "skipped_short", "truncated_from"} (see the module docstring)."""
-    tokenize = _Tokenize(tokenizer)
+    tokenize = Tokenize(tokenizer)
     rows, weights, ids, lengths, skipped = [], [], [], [], 0
     for source in sources_lib.open_sources(cfg.data):
         for j in sources_lib.split_indices(source, "validation", cfg.data.val_fraction):

@@ -95,7 +95,7 @@ class _SplitView:
         return f"_SplitView({self.source.name!r}, {len(self)} documents)"
 
 
-class _Tokenize(grain.transforms.Map):
+class Tokenize(grain.transforms.Map):
     """{"doc", "id"} -> {"tokens": int32 [L], "weights": float32 [L], "id"} with BOS ... EOS.
 
     A pre-tokenised document (a dict with "tokens" and optional "loss_weights", weight j applying
@@ -215,7 +215,7 @@ def _document_dataset(
 
 def _pieces(ds: grain.MapDataset, cfg: DataConfig, tokenizer: Tokenizer) -> grain.IterDataset:
     read = grain.ReadOptions(num_threads=READ_THREADS, prefetch_buffer_size=READ_BUFFER)
-    it = ds.map(_Tokenize(tokenizer)).to_iter_dataset(read)
+    it = ds.map(Tokenize(tokenizer)).to_iter_dataset(read)
     return grain_exp.FlatMapIterDataset(it, _Pieces(cfg.seq_len, cfg.long_documents))
 
 
