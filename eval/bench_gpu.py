@@ -23,7 +23,8 @@ jax.vjp with random cotangents, at moderate shapes (--tiny: the unit tests' shap
 and tolerances are the kernel tests' (tests/kernels): the relative error of each whole tensor,
 ||actual - expected|| / ||expected||, against kernels._testing.TOLERANCES (float32 2e-5, bfloat16
 1.5e-2) and, for gated_delta, its test's 1e-4 / 5e-3; leapquant (decode only: no gradients) its
-test's 2e-3 against the dense reference and 2e-5 against its XLA read. A row shows the worst
+test's 2e-3 against the dense reference and against its XLA decode (both re-quantize the state
+at window ends, where a float rounding difference can flip an integer). A row shows the worst
 tensor, its relative error and max abs error, the tolerance and pass / FAIL, and every tensor's
 relative error (and any extra check).
 
@@ -37,8 +38,8 @@ a short budget still spans the range; the table is sorted by length):
               random q / k (eval/bench_kernels.nsa_selection; FLOPs from the keys attended)
                                                    pallas_gpu | xla
   select      select_blocks, forward only          pallas_gpu | xla
-  gdn, kda    gated_delta_rule (H = HV = --heads, K = V = --head-dim; the Pallas kernel is the
-              forward state pass only, its backward is XLA's)            pallas_gpu | xla
+  gdn, kda    gated_delta_rule (H = HV = --heads, K = V = --head-dim; the Pallas kernels are
+              the state pass and its backward, the rest is XLA)          pallas_gpu | xla
   depth       depth_attention (Attention Residuals) over --depth-sources sources of width
               --depth-dim for every token, 2 queries                     pallas_gpu | xla
 cudnn = jax.nn.dot_product_attention(..., implementation="cudnn") in the same dtype; with
@@ -389,8 +390,10 @@ def _parity_gated_delta(B, T, H, HV, K, V, kda, strong, dtype, chunk):
 def _parity_leapquant(B, T, H, HV, K, V, kda, window, rank):
     """LeapQuant decode (int8 states) with the Pallas window read against the dense float32
     reference (reference.py re-quantizes at the same steps; the kernel test allows 2e-3 there,
-    where float rounding flips an integer), and against the XLA read (the kernel test's float32
-    tolerance). Forward only: decoding has no gradient."""
+    where float rounding flips an integer), and against the XLA decode at the same 2e-3: it too
+    re-quantizes at every window end, so an integer can flip between the two reads (seen: 1.2e-4
+    on one seed, 8e-8 on a rerun of it; the read alone is held to float32 rounding by
+    tests/kernels/test_leapquant.py). Forward only: decoding has no gradient."""
     def run(rng, pallas, opts):
         # imported here: a kernel still being written breaks its own row, not the script
         from aiinfra_jax.kernels.leapquant import (LeapQuantSpec, encode_state, leapquant_decode,
@@ -418,8 +421,8 @@ def _parity_leapquant(B, T, H, HV, K, V, kda, window, rank):
         want = jax.jit(leapquant_decode_reference, static_argnums=0, **jit_kw)(spec, S0, *args)
         vs_xla = max(_testing.rel_err(a, e) for a, e in zip(got, xla))
         return ([("o", got[0], want[0]), ("state", got[1], want[1])],
-                [(f"the XLA read gives the same: rel err {vs_xla:.1e} (<= 2e-5)",
-                  vs_xla <= _testing.TOLERANCES["float32"])])
+                [(f"the XLA decode gives the same: rel err {vs_xla:.1e} "
+                  f"(<= {LEAPQUANT_TOLERANCE:.0e})", vs_xla <= LEAPQUANT_TOLERANCE)])
     return run
 
 
@@ -934,7 +937,8 @@ def write_outputs(run: Run) -> None:
                   "`window`, its dense causal attention for the other ops: \"(dense)\") over "
                   "this row's; > 1 is faster. vs XLA: the same op's XLA path over this row's. "
                   "Sparse FLOPs count the keys select_blocks' selections really attend. gdn / kda: "
-                  "the Pallas kernel is the forward state pass; their backward is XLA's."]
+                  "the Pallas kernels are the sequential state pass and its backward; the "
+                  "state-independent preparation and its gradient are XLA."]
         if stand_in:
             lines.append("cudnn*: no GPU, so jax.nn.dot_product_attention's XLA path stands in "
                          "for cuDNN (plumbing only).")

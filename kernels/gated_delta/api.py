@@ -12,14 +12,16 @@ preparation, run for all chunks at once in XLA (xla.prepare: decay cumsums, intr
 matrices, the UT transform's triangular inverse), and the sequential state pass over the chunks,
 which is what the implementation choice selects:
   "xla"          a lax.scan over chunks (xla.state_pass); runs everywhere.
-  "pallas_tpu"   the state pass as a Mosaic kernel (pallas_tpu.py), forward only.
-  "pallas_gpu"   the state pass as a Triton kernel (pallas_gpu.py; C, K, V powers of two >= 16),
-                 forward only.
-The state pass is wrapped in a jax.custom_vjp whose backward is always the VJP of the XLA state
-pass, recomputed from the saved inputs; everything else (prepare, the output reshaping) is JAX
-autodiff. So the Pallas kernels accelerate the forward's sequential part only; there is no
-Pallas backward yet. Under a mesh the Pallas state pass runs in a shard_map with batch split over
-the batch axes and value heads over "tensor" (kernels._sharding).
+  "pallas_tpu"   the state pass and its backward as Mosaic kernels (pallas_tpu.py).
+  "pallas_gpu"   the state pass and its backward as Triton kernels (pallas_gpu.py; C, K, V
+                 powers of two >= 16).
+The state pass is wrapped in a jax.custom_vjp whose residuals are its inputs (the prepared chunk
+operands and S0, the same for every implementation) and whose backward is the selected
+implementation's: the Pallas backward kernels (state_pass_bwd: they recompute the chunk states from
+those inputs, then run the reverse recurrence; see the kernel modules), or, for "xla", the XLA
+scan's VJP, recomputed. Everything else (prepare, the output reshaping) is JAX autodiff. Under a
+mesh the Pallas state pass and its backward run in a shard_map with batch split over the batch
+axes and value heads over "tensor" (kernels._sharding).
 """
 
 from __future__ import annotations
@@ -74,8 +76,9 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, bet
       output_final_state: also return the state after position T-1.
       implementation: None (best for the platform the call is lowered for, falling back to "xla"
         where the kernel cannot take the shapes), "xla", "pallas_gpu" or "pallas_tpu" (explicit
-        choices raise when impossible; see kernels._dispatch). Selects the state pass only (see
-        the module docstring); a "context" mesh axis > 1 is refused by the Pallas kernels.
+        choices raise when impossible; see kernels._dispatch). Selects the state pass and its
+        backward only (see the module docstring); a "context" mesh axis > 1 is refused by the
+        Pallas kernels.
       interpret: run the Pallas kernel in interpret mode (any backend).
 
     Returns:
@@ -105,7 +108,7 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, bet
 
 
 # ----------------------------------------------------------------------------------------------
-# The state pass: implementation per platform, custom VJP (backward = the XLA scan's VJP).
+# The state pass: implementation per platform, custom VJP (backward: the same implementation's).
 
 _MODULES = {"pallas_gpu": pallas_gpu, "pallas_tpu": pallas_tpu}
 
@@ -116,11 +119,30 @@ def _specs(sh):
     return (chunk,) * 6 + (state,), (chunk, state)
 
 
+def _bwd_specs(sh):
+    """Backward: (args..., do, dS_N) in, one gradient per arg out (all split like the args)."""
+    chunk = sh.spec("batch", "heads", None, None, None)
+    state = sh.spec("batch", "heads", None, None)
+    return (chunk,) * 6 + (state, chunk, state), (chunk,) * 6 + (state,)
+
+
 def _state_impl(static: _Static, implementation, *args):
     if implementation == "xla":
         return xla.state_pass(*args)
     kernel = functools.partial(_MODULES[implementation].state_pass, interpret=static.interpret)
     return _sharding.run(static.shard, kernel, args, _specs)
+
+
+def _state_bwd_impl(static: _Static, implementation, *args_and_cotangents):
+    args, cotangents = args_and_cotangents[:7], args_and_cotangents[7:]
+    if implementation == "xla":
+        return tuple(jax.vjp(xla.state_pass, *args)[1](cotangents))
+    module = _MODULES[implementation]
+
+    def kernel(*xs):
+        return tuple(module.state_pass_bwd(xs[:7], xs[7:], interpret=static.interpret))
+
+    return _sharding.run(static.shard, kernel, args_and_cotangents, _bwd_specs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -135,8 +157,8 @@ def _state_pass_fwd(static, *args):
 
 
 def _state_pass_bwd(static, args, cotangents):
-    del static
-    return jax.vjp(xla.state_pass, *args)[1](cotangents)
+    return _dispatch.run(static.selection, functools.partial(_state_bwd_impl, static),
+                         *args, *cotangents)
 
 
 _state_pass.defvjp(_state_pass_fwd, _state_pass_bwd)

@@ -47,7 +47,8 @@ Gradients: plain JAX autodiff through everything here (the scan over chunks keep
 [B, HV, K, V] state per chunk for its backward), except the closed-form VJP of
 unit_lower_inverse; no hand-written backward otherwise. The public function (api.py)
 differentiates prepare() and finish() this way and wraps state_pass in a custom VJP whose
-backward is this scan's VJP, recomputed.
+backward is this scan's VJP, recomputed, for implementation "xla"; the Pallas implementations
+have their own backward kernels (pallas_gpu.py, pallas_tpu.py).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """gated_delta (GDN and KDA): parity of the chunked XLA path and of the Pallas state-pass kernels
-(interpret mode) with the step-by-step float32 reference, forward output, final state and the
-gradients of every input (q, k, v, g, beta, initial_state); no state leak across packed documents;
-padding T with g = 0, beta = 0 changes nothing (T not a multiple of the chunk); lowering for cuda
-and tpu; the implementation choice; validation.
+(interpret mode, forward and backward) with the step-by-step float32 reference, forward output,
+final state and the gradients of every input (q, k, v, g, beta, initial_state); the Pallas
+backward kernels against the XLA state pass's VJP on the same chunk operands; no state leak across
+packed documents; padding T with g = 0, beta = 0 changes nothing (T not a multiple of the chunk);
+lowering for cuda and tpu (forward and backward kernels); the implementation choice; validation.
 
 Inputs follow fla-org's test recipes: L2-normalised q and k, beta = sigmoid(N(0,1)), log-decays
 logsigmoid(N(0,1)) / 16 (weak) or logsigmoid(N(0,1)) * 10 (strong: up to ~ -20 per step), T not a
@@ -23,6 +24,7 @@ import pytest
 
 from aiinfra_jax.kernels import _testing
 from aiinfra_jax.kernels.gated_delta import gated_delta_rule, gated_delta_rule_reference
+from aiinfra_jax.kernels.gated_delta import pallas_gpu, pallas_tpu, xla
 
 # RMS-relative error tolerances of the chunked form against the float32 recurrence, by input
 # dtype (fla asserts 5e-3 for chunked kernels). Measured over 40 seeds: float32 <= 1.3e-6 for o,
@@ -111,8 +113,8 @@ _CASES = {
 @pytest.mark.parametrize("implementation,case", [("xla", c) for c in _CASES] + [
     ("pallas_tpu", "kda_strong"), ("pallas_gpu", "gdn_weak")])
 def test_chunked_matches_recurrence_forward_state_and_gradients(implementation, case):
-    """The Pallas kernels (interpret mode) replace the state pass of the forward; their
-    gradients are the XLA state pass's VJP (api.py), checked here through the custom VJP."""
+    """The Pallas kernels (interpret mode) replace the state pass, forward and backward (the
+    custom VJP's backward is the Pallas state_pass_bwd for a Pallas implementation, api.py)."""
     B, T, H, HV, K, V, kda, strong, init, segments, chunk, dtype = _CASES[case]
     seed = _seed()
     args, seg, cot = _inputs(seed, B=B, T=T, H=H, HV=HV, K=K, V=V, kda=kda, strong=strong,
@@ -129,6 +131,44 @@ def test_chunked_matches_recurrence_forward_state_and_gradients(implementation, 
     assert state.dtype == jnp.float32, where
     if segments:   # padding positions output exactly zero
         assert np.all(np.asarray(o, np.float32)[0, 50:55] == 0), where
+
+
+_STATE_NAMES = ("dw", "du1", "dqg", "dm", "dkdt", "ddecay", "dS0")
+
+
+@functools.partial(jax.jit, static_argnames=("module",), compiler_options=_FAST_COMPILE)
+def _state_pass_grads(args, cot, module):
+    """(kernel's state_pass_bwd in interpret mode, jax.vjp(xla.state_pass)), one jit."""
+    expected = jax.vjp(xla.state_pass, *args)[1](cot)
+    return module.state_pass_bwd(args, cot, interpret=True), expected
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("module", [pallas_gpu, pallas_tpu], ids=["pallas_gpu", "pallas_tpu"])
+def test_pallas_state_pass_backward_matches_xla_vjp(module, kda):
+    """state_pass_bwd (interpret mode) against the XLA scan's VJP on the same chunk operands:
+    xla.prepare's output for fresh random inputs (GDN: one decay per head broadcast over K; KDA:
+    per key channel; packed documents, so some decays are zero and m, qg, kdt are masked) and
+    random cotangents of o and the final state. N = 4 chunks; V = 64 spans two value blocks of
+    the Triton kernels (BLOCK_V = 32), so the per-block state slices and kernel 3's loop over V
+    are exercised."""
+    seed = _seed()
+    (q, k, v, g, beta, h0), seg, _ = _inputs(seed, B=1, T=60, H=1, HV=2, K=16, V=64, kda=kda,
+                                             strong=False, init=True, segments=True,
+                                             dtype=jnp.float32)
+    p = jax.jit(functools.partial(xla.prepare, scale=0.25, chunk_size=16))(q, k, v, g, beta, seg)
+    args = (p.w, p.u1, p.qg, p.m, p.kdt, p.decay, h0)
+    rng = np.random.default_rng(seed + 1)
+    cot = (jnp.asarray(rng.normal(size=p.u1.shape), jnp.float32),
+           jnp.asarray(rng.normal(size=h0.shape), jnp.float32))
+    actual, expected = _state_pass_grads(args, cot, module)
+    where = f"{module.__name__.rsplit('.', 1)[-1]}/{'kda' if kda else 'gdn'} seed={seed}"
+    tol = TOLERANCES["float32"]
+    for name, a, e, x in zip(_STATE_NAMES, actual, expected, args):
+        assert a.shape == e.shape == x.shape, f"{where}: {name} shape {a.shape} != {e.shape}"
+        assert a.dtype == jnp.float32, f"{where}: {name} dtype {a.dtype}"
+        err = _testing.rel_err(a, e)
+        assert err <= tol, f"{where}: {name} relative error {err:.2e} > {tol:.0e}"
 
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
@@ -177,6 +217,11 @@ def _small(kda=False):
 
 _CUSTOM_CALL = {"cuda": "__gpu", "tpu": "tpu_custom_call"}
 _KERNEL_CALLS = re.compile(r"custom_call @(__gpu|tpu_custom_call)\b")
+# The kernels (pallas_call names) of one forward + backward per platform.
+_KERNEL_NAMES = {"cuda": ("gated_delta_state_fwd", "gated_delta_states", "gated_delta_state_bwd",
+                          "gated_delta_chunk_grads"),
+                 "tpu": ("gated_delta_state_fwd", "gated_delta_states", "gated_delta_state_bwd")}
+_ALL_KERNEL_NAMES = set(_KERNEL_NAMES["cuda"] + _KERNEL_NAMES["tpu"])
 _LOWER_SHAPES = {  # (B, T, H, HV, K, V, kda)
     "small_kda": (2, 100, 1, 2, 32, 16, True),
     "bench_gdn_16k": (1, 16384, 16, 32, 128, 128, False),
@@ -190,8 +235,9 @@ def _lowered(fn, platform, *args) -> str:
 @pytest.mark.parametrize("shape", list(_LOWER_SHAPES))
 @pytest.mark.parametrize("platform", ["cpu", "cuda", "tpu"])
 def test_lowering_picks_the_platform_kernel_forward_and_backward(platform, shape):
-    """implementation=None: the Triton / Mosaic state pass when lowered for cuda / tpu, the XLA
-    scan for cpu. value_and_grad, so the forward (the kernel) is not dead code."""
+    """implementation=None: the Triton / Mosaic state pass and its backward kernels when lowered
+    for cuda / tpu, the XLA scan for cpu. value_and_grad, so the forward (the kernel) is not dead
+    code."""
     B, T, H, HV, K, V, kda = _LOWER_SHAPES[shape]
     sd = jax.ShapeDtypeStruct
     args = (sd((B, T, H, K), jnp.bfloat16), sd((B, T, H, K), jnp.bfloat16),
@@ -206,11 +252,13 @@ def test_lowering_picks_the_platform_kernel_forward_and_backward(platform, shape
 
     text = _lowered(jax.value_and_grad(loss, argnums=tuple(range(6))), platform, *args)
     calls = _KERNEL_CALLS.findall(text)
+    present = sorted(name for name in _ALL_KERNEL_NAMES if re.search(rf"\b{name}\b", text))
     if platform == "cpu":
-        assert not calls and "gated_delta_state_fwd" not in text
+        assert not calls and not present, (calls, present)
     else:
-        assert calls == [_CUSTOM_CALL[platform]], (platform, shape, calls)
-        assert "gated_delta_state_fwd" in text
+        names = _KERNEL_NAMES[platform]
+        assert calls == [_CUSTOM_CALL[platform]] * len(names), (platform, shape, calls)
+        assert present == sorted(names), (platform, shape, present)
 
 
 def test_explicit_implementations_and_fallback(caplog):
