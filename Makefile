@@ -9,7 +9,7 @@ CONFIG ?= configs/nsa_tiny.py
 ARGS   ?=
 
 .PHONY: train test install install-dev bench-train bench-kernels bench-nsa bench-attnres bench-moe \
-	bench-moe-quality bench-generate bench-leapquant bench-gpu bench-surgery profile-step clean-venv
+	bench-moe-quality bench-recurrent bench-generate bench-leapquant bench-gpu bench-surgery profile-step clean-venv
 
 $(VENV)/.stamp-base: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -62,6 +62,11 @@ bench-moe-quality: $(VENV)/.stamp-base
 
 # Prefill and decode tokens/s of generate (tiny dense, NSA and AttnRes presets, 1K/4K context,
 # batch 1/8), beside the bytes one decode step moves.
+# Dense vs NSA vs GDN vs hybrid vs KDA: five tiny runs (about an hour on 2 cores; finished runs are
+# read, not retrained), loss curves as a PNG, loss by position past the training length.
+bench-recurrent: $(VENV)/.stamp-base
+	$(PY) -m aiinfra_jax.eval.bench_recurrent $(ARGS)
+
 bench-generate: $(VENV)/.stamp-base
 	$(PY) -m aiinfra_jax.eval.bench_generate $(ARGS)
 

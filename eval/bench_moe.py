@@ -253,28 +253,8 @@ def time_ffn(ffn, d: int, batches: list[int], train_shape: tuple[int, int], repe
     return out
 
 
-def plot(runs: dict, path: Path) -> None:
-    import matplotlib  # pylint: disable=import-outside-toplevel
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.4))
-    for (name, r), color in zip(runs.items(), ("gray", "tab:blue", "tab:orange", "tab:green",
-                                               "tab:red")):
-        ax.plot(*zip(*r["train"]), color=color, alpha=0.3)
-        ax.plot(*zip(*r["val"]), "o-", color=color,
-                label=f"{name} (final validation {r['final_val_loss']:.3f})")
-    ax.set_xlabel("training step")
-    ax.set_ylabel("loss (nats/byte); faint: train, dots: validation")
-    ax.set_ylim(top=min(3.0, ax.get_ylim()[1]))
-    ax.set_title("Dense vs MoE vs DeaMoE, tiny presets, embedded corpus")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def quality(args) -> None:
-    from aiinfra_jax.eval.runs import train_or_read, value_at
+    from aiinfra_jax.eval.runs import plot_curves, train_or_read, value_at
     from aiinfra_jax.load import load_model
 
     out = Path(args.out_dir)
@@ -301,7 +281,8 @@ def quality(args) -> None:
               + " | ".join(cells) + f" | {r['final_val_loss']:.4f} | {100 * rel:+.2f}% |")
         r["times"] = time_ffn(first_ffn(loaded.model, loaded.config),
                               loaded.config.model.d_model, batches, (16, 256), args.repeats)
-    plot(runs, out / "bench_moe_quality.png")
+    plot_curves(runs, out / "bench_moe_quality.png",
+                title="Dense vs MoE vs DeaMoE, tiny presets, embedded corpus")
     for a, b in PAIRS:
         print(f"\nbytes per decode step: {a} vs {b}")
         result["bytes"][f"{a}/{b}"] = bytes_table(runs[a]["run_dir"], runs[b]["run_dir"], batches,

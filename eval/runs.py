@@ -39,3 +39,25 @@ def train_or_read(name: str, preset: str, out: Path, overrides: list[str]) -> di
 def value_at(curve: list, step: int) -> float | None:
     """The curve's value at `step` (None when it has none there)."""
     return next((v for s, v in curve if s == step), None)
+
+
+def plot_curves(runs: dict, path: Path, *, title: str, xlabel: str = "training step") -> None:
+    """One PNG of several runs' curves (train_or_read's dicts, by name): faint train loss, validation
+    loss as dots, each labelled with its final validation loss."""
+    import matplotlib  # pylint: disable=import-outside-toplevel
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.4))
+    colors = ("gray", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
+    for (name, r), color in zip(runs.items(), colors):
+        ax.plot(*zip(*r["train"]), color=color, alpha=0.3)
+        ax.plot(*zip(*r["val"]), "o-", color=color,
+                label=f"{name} (final validation {r['final_val_loss']:.3f})")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("loss (nats/byte); faint: train, dots: validation")
+    ax.set_ylim(top=min(3.0, ax.get_ylim()[1]))
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
