@@ -92,6 +92,9 @@ are zero; "blocked" still multiplies their blocks, so its cost follows the buffe
 rows), a second `all_to_all` returns the outputs to the senders, who gather and combine them with
 the routing weights. "dropped" is then measured from the group sizes the devices' grouped
 matmuls ran with (summed over the token axes), not assumed.
+The plumbing (padding the tokens, the shard_map specs, the buffers and the two all_to_alls) is
+`expert_parallel_map`, `send_to_owners` and `return_to_senders`, which models/deamoe.py's
+department parallelism uses too.
 Cost: two all-to-alls of P*C*D activations per layer forward (and two backward), a buffer up to
 P*min(K, E/P)/K times the assignments (the price of a fixed, static, never-dropping size; a ragged
 all-to-all with exchanged counts would send only the real rows and is the next step where
