@@ -7,6 +7,7 @@ Each batch is a dict of numpy arrays, all [B, T]:
   targets       int32   the next token of the same document (pad_id on padding)
   positions     int32   position within the document piece, restarting at 0 for each segment
   segment_ids   int32   1, 2, 3, ... for the pieces packed into a row; 0 = padding
+                        (a whole row keeps its own ids and positions: "Whole rows" below)
   loss_weights  float32 1 where a target exists (every non-padding position; a pre-tokenised
                         source may give its own per-token weights), 0 on padding
 
@@ -26,6 +27,17 @@ Stages (per source, then merged):
      concatenate them (validation: every document of every source, once);
   6. a window shuffle over pieces, so that the pieces of one long file spread over many batches;
   7. first-fit packing into rows of T, then batching.
+
+Whole rows (a source with ``whole_rows = True``, e.g. ``synthetic:msa_*``): its documents are
+dicts of five [T] arrays, ``inputs``, ``targets``, ``loss_weights``, ``segment_ids`` and
+``positions``: a row already packed in a layout the packer must not redo (the MSA mixer's
+convention: negative query ids, ANSWER_BIT, document-wise positions; see
+``aiinfra_jax.data.synthetic_msa``). Such a row is one piece of exactly T tokens, so it fills a
+packing bin on its own (stages 4-7 treat it as any piece; the mixture weights count it as one
+piece), and its segment ids and positions ride through the packer as grain meta features
+(``row_segment_ids``, ``row_positions``; zeros on ordinary pieces) that replace the packer's own
+in ``_ToRow``. Only when some source has whole rows do pieces carry these two extra features;
+without one the pipeline is exactly as before. A whole row of another length is a DataError.
 
 Packing choice: grain's ``FirstFitPackIterDataset`` rather than ``ConcatThenSplitIterDataset``.
 Concat-then-split fills rows completely but cuts documents wherever a row ends, so a row would
@@ -99,7 +111,8 @@ class Tokenize(grain.transforms.Map):
     """{"doc", "id"} -> {"tokens": int32 [L], "weights": float32 [L], "id"} with BOS ... EOS.
 
     A pre-tokenised document (a dict with "tokens" and optional "loss_weights", weight j applying
-    to token j as a target) is used as is.
+    to token j as a target) is used as is; a whole row (a dict with "segment_ids", see the module
+    docstring) passes on as {"row": the dict, "id"} for ``_Pieces`` to check.
     """
 
     def __init__(self, tokenizer: Tokenizer):
@@ -107,6 +120,8 @@ class Tokenize(grain.transforms.Map):
 
     def map(self, element: dict[str, Any]) -> dict[str, Any]:
         doc = element["doc"]
+        if isinstance(doc, Mapping) and "segment_ids" in doc:
+            return {"row": doc, "id": element["id"]}
         if isinstance(doc, str):
             encode_array = getattr(self.tokenizer, "encode_array", None)
             body = (
@@ -139,11 +154,14 @@ class _Pieces(grain_exp.FlatMapTransform):
 
     max_fan_out = 1 << 30  # Unbounded: a long document gives ceil((L - 1) / T) pieces.
 
-    def __init__(self, seq_len: int, long_documents: str):
+    def __init__(self, seq_len: int, long_documents: str, whole_rows: bool = False):
         self.seq_len = seq_len
         self.long_documents = long_documents
+        self.whole_rows = whole_rows  # pieces carry the ROW_FEATURES (see the module docstring)
 
     def flat_map(self, element: dict[str, Any]) -> list[dict[str, np.ndarray]]:
+        if "row" in element:
+            return [_whole_row(element["row"], element["id"], self.seq_len, self.whole_rows)]
         tokens, weights = element["tokens"], element["weights"]
         n, t = tokens.size - 1, self.seq_len  # n = number of (input, target) pairs
         if n > t and self.long_documents == "error":
@@ -151,7 +169,7 @@ class _Pieces(grain_exp.FlatMapTransform):
                 f"document {element['id']!r} has {tokens.size} tokens (with BOS/EOS), more than "
                 f"seq_len + 1 = {t + 1}; set long_documents='split' or raise seq_len"
             )
-        return [
+        pieces = [
             {
                 "inputs": tokens[a : min(a + t, n)],
                 "targets": tokens[a + 1 : min(a + t, n) + 1],
@@ -159,6 +177,33 @@ class _Pieces(grain_exp.FlatMapTransform):
             }
             for a in range(0, n, t)
         ]
+        if self.whole_rows:  # zeros: "not a whole row" (its ids and positions are the packer's)
+            for p in pieces:
+                p.update({k: np.zeros(p["inputs"].size, np.int32) for k in ROW_FEATURES})
+        return pieces
+
+
+ROW_FEATURES = ("row_segment_ids", "row_positions")  # a whole row's own layout (meta features)
+_WHOLE_ROW_KEYS = ("inputs", "targets", "loss_weights", "segment_ids", "positions")
+
+
+def _whole_row(row: Mapping[str, Any], doc_id: str, seq_len: int, expected: bool
+               ) -> dict[str, np.ndarray]:
+    """A whole row (module docstring) as one seq_len-token piece, its layout in ROW_FEATURES."""
+    if not expected:
+        raise DataError(f"document {doc_id!r} is a whole row (it has segment_ids), but its source "
+                        "does not set whole_rows = True; set it so the pipeline carries the row")
+    arrays = {k: np.asarray(row[k]).reshape(-1) for k in _WHOLE_ROW_KEYS if k in row}
+    bad = {k: a.size for k, a in arrays.items() if a.size != seq_len}
+    if len(arrays) < len(_WHOLE_ROW_KEYS) or bad or not np.any(arrays["segment_ids"] != 0):
+        raise DataError(
+            f"document {doc_id!r}: a whole row needs {_WHOLE_ROW_KEYS} each of exactly seq_len="
+            f"{seq_len} tokens and a non-padding token; got keys {sorted(row)}, wrong sizes {bad}")
+    return {"inputs": arrays["inputs"].astype(np.int32),
+            "targets": arrays["targets"].astype(np.int32),
+            "weights": arrays["loss_weights"].astype(np.float32),
+            "row_segment_ids": arrays["segment_ids"].astype(np.int32),
+            "row_positions": arrays["positions"].astype(np.int32)}
 
 
 class _ToRow(grain.transforms.Map):
@@ -168,12 +213,15 @@ class _ToRow(grain.transforms.Map):
         self.pad_id = pad_id
 
     def map(self, el: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        seg = el["inputs_segment_ids"].astype(np.int32)
+        seg, pos = el["inputs_segment_ids"], el["inputs_positions"]
+        if ROW_FEATURES[0] in el and np.any(el[ROW_FEATURES[0]] != 0):  # a whole row: its own
+            seg, pos = el["row_segment_ids"], el["row_positions"]
+        seg = seg.astype(np.int32)
         pad = seg == 0
         return {
             "inputs": np.where(pad, self.pad_id, el["inputs"]).astype(np.int32),
             "targets": np.where(pad, self.pad_id, el["targets"]).astype(np.int32),
-            "positions": np.where(pad, 0, el["inputs_positions"]).astype(np.int32),
+            "positions": np.where(pad, 0, pos).astype(np.int32),
             "segment_ids": seg,
             "loss_weights": np.where(pad, 0.0, el["weights"]).astype(np.float32),
         }
@@ -213,10 +261,11 @@ def _document_dataset(
     return grain.MapDataset.source(_SplitView(source, indices)).shuffle(seed=_derive_seed(seed, salt, 1))
 
 
-def _pieces(ds: grain.MapDataset, cfg: DataConfig, tokenizer: Tokenizer) -> grain.IterDataset:
+def _pieces(ds: grain.MapDataset, cfg: DataConfig, tokenizer: Tokenizer,
+            whole_rows: bool = False) -> grain.IterDataset:
     read = grain.ReadOptions(num_threads=READ_THREADS, prefetch_buffer_size=READ_BUFFER)
     it = ds.map(Tokenize(tokenizer)).to_iter_dataset(read)
-    return grain_exp.FlatMapIterDataset(it, _Pieces(cfg.seq_len, cfg.long_documents))
+    return grain_exp.FlatMapIterDataset(it, _Pieces(cfg.seq_len, cfg.long_documents, whole_rows))
 
 
 def _allow_unparsed_absl_flags() -> None:
@@ -272,25 +321,29 @@ def make_dataset(
     rows = cfg.batch_size // cfg.streams
     opened = sources_lib.open_sources(cfg)
     docs = [_document_dataset(src, cfg, split, seed, i, stream) for i, src in enumerate(opened)]
+    whole = any(getattr(src, "whole_rows", False) for src in opened)
 
     if num_epochs is None:
         weights = list(cfg.mixture_weights if weights is None else weights)
         if len(weights) != len(docs) or not any(w > 0 for w in weights):
             raise ValueError(f"weights={weights!r}: need one weight >= 0 per source, one of them > 0")
-        pieces = [_pieces(d.repeat(None), cfg, tokenizer) for d, w in zip(docs, weights) if w > 0]
+        pieces = [_pieces(d.repeat(None), cfg, tokenizer, whole)
+                  for d, w in zip(docs, weights) if w > 0]
         weights = [w for w in weights if w > 0]
         ds = pieces[0] if len(pieces) == 1 else grain.IterDataset.mix(pieces, weights)
     else:
         merged = docs[0] if len(docs) == 1 else grain.MapDataset.concatenate(docs)
-        ds = _pieces(merged.repeat(num_epochs), cfg, tokenizer)
+        ds = _pieces(merged.repeat(num_epochs), cfg, tokenizer, whole)
 
     ds = grain_exp.WindowShuffleIterDataset(ds, window_size=SHUFFLE_WINDOW, seed=_derive_seed(seed, 2))
+    features = ("inputs", "targets", "weights") + (ROW_FEATURES if whole else ())
     ds = grain_exp.FirstFitPackIterDataset(
         ds,
-        length_struct={"inputs": cfg.seq_len, "targets": cfg.seq_len, "weights": cfg.seq_len},
+        length_struct={k: cfg.seq_len for k in features},
         num_packing_bins=max(PACKING_BINS, rows),
         seed=_derive_seed(seed, 3),
         shuffle_bins=True,
+        meta_features=ROW_FEATURES if whole else (),
     )
     ds = ds.map(_ToRow(tokenizer.pad_id))
     finite = num_epochs is not None

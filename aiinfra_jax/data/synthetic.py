@@ -4,12 +4,14 @@
 
 ``<task>`` is a task of ``aiinfra_jax.tasks`` (niah_single_1 ... niah_multiquery, passkey,
 mqar, variable_tracking) or a group ("niah": the eight NIAH variants in turn, "all": every task in
-turn). Document i is the task's example with seed 2**40 + seed * 2**32 + i (never an evaluation
-seed), at a length drawn uniformly from [min_length, max_length] and a depth drawn uniformly from
-[min_depth, max_depth] (default [0, 1]), pre-tokenised as ``[BOS] + prompt + answer + [EOS]``, with loss weight ``answer_weight`` on
-the answer and EOS (and on the recalled values of MQAR's inline queries) and ``context_weight``
-elsewhere. Every document fits one row (at most seq_len + 1 tokens), so question and answer are
-never cut apart.
+turn). ``synthetic:msa_<task>`` (``msa_niah``) is another kind: whole pre-packed multi-document
+rows for the MSA mixer, with their own options (``aiinfra_jax.data.synthetic_msa``).
+Document i is the task's example with seed 2**40 + seed * 2**32 + i (never an evaluation seed),
+at a length drawn uniformly from [min_length, max_length] and a depth drawn uniformly from
+[min_depth, max_depth] (default [0, 1]), pre-tokenised as ``[BOS] + prompt + answer + [EOS]``,
+with loss weight ``answer_weight`` on the answer and EOS (and on the recalled values of MQAR's
+inline queries) and ``context_weight`` elsewhere. Every document fits one row (at most seq_len + 1
+tokens), so question and answer are never cut apart.
 
 Options (comma-separated key=value after a second colon):
   n               documents in the source (default 1_000_000); the first ceil(n * val_fraction)
@@ -43,6 +45,7 @@ import numpy as np
 
 from aiinfra_jax.data.config import DataConfig
 from aiinfra_jax.data.sources import register_source
+from aiinfra_jax.data.synthetic_msa import MSASource
 from aiinfra_jax.data.tokenizer import load_tokenizer
 from aiinfra_jax.tasks import ContextTooShort, expand_tasks, make_task_example
 
@@ -228,5 +231,7 @@ class SyntheticSource:
 
 
 @register_source("synthetic")
-def _synthetic(spec: str, cfg: DataConfig) -> SyntheticSource:
+def _synthetic(spec: str, cfg: DataConfig) -> SyntheticSource | MSASource:
+    if spec.startswith("synthetic:msa_"):  # whole rows for the MSA mixer (synthetic_msa)
+        return MSASource(spec, cfg)
     return SyntheticSource(spec, cfg)
