@@ -112,7 +112,7 @@ class MSAConfig:
     query_offset: int | None = None
     temperature: float = 0.1
     routing_loss_weight: float = runtime_field(0.1)
-    # Document slots per row; a row with more documents is refused (its outputs are NaN).
+    # Document slots per row; a row with a query and more documents is refused (outputs NaN).
     max_documents: int = runtime_field(64)
     implementation: str | None = runtime_field(None)  # flash_attention backend (None = best)
     interpret: bool = runtime_field(False)  # Pallas kernels in interpret mode (CPU tests)
@@ -455,7 +455,9 @@ class MSAttention(nnx.Module):
         positive = layout["positive"] & valid & jnp.isfinite(scores)
         for k in (1, 5):
             report_metric(self, f"recall@{k}", recall_at(ranks, positive, layout["n_docs"], k))
-        return refuse_rows(y, layout["fits"])
+        # A row with more documents than slots is refused only when it has a query to route:
+        # plain packed text (no query) uses no chunk slot, so its outputs never depend on them.
+        return refuse_rows(y, layout["fits"] | (query_id == 0))
 
     def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> Any:
         raise NotImplementedError("MSAttention.init_cache: MSA decoding comes with the memory "

@@ -3,6 +3,8 @@ dense reference, document-wise positions, no cross-document attention, gradients
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 
 import jax
@@ -285,6 +287,23 @@ def test_no_cross_document_attention():
     z = np.asarray(_apply(plain, x, POS, SEG))
     z2 = np.asarray(_apply(plain, x2, POS, SEG))
     np.testing.assert_allclose(z2[0, 23:29], z[0, 23:29], rtol=1e-5, atol=1e-6)
+
+
+def test_too_many_documents_refuses_query_rows_only():
+    """max_documents bounds the chunk slots of a row with a query (such a row is refused: NaN
+    outputs, never silently wrong routing); plain packed text with more pieces than that (corpus
+    rows mixed into MSA training) uses no slot and runs as with room for every piece."""
+    many = [3] * 10  # 10 documents > max_documents = 8
+    seg, pos = _rows([dict(doc_lengths=many, query_length=4)])
+    plain_seg = jnp.where(seg < 0, 11, seg)  # the query tokens become an 11th plain piece
+    roomy = MSAttention(dataclasses.replace(CFG, msa=dataclasses.replace(MSA, max_documents=16)),
+                        rngs=nnx.Rngs(0), layer_index=1)
+    x = _x(8, b=1)
+    refused = np.asarray(_apply(_layer(), x, pos, seg))
+    assert np.isnan(refused).all()
+    got = np.asarray(_apply(_layer(), x, pos, plain_seg))
+    np.testing.assert_array_equal(got, np.asarray(_apply(roomy, x, pos, plain_seg)))
+    assert np.isfinite(got).all()
 
 
 def _routing_loss(layer, x):
