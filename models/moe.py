@@ -28,10 +28,12 @@ see every token.
 Grouped matmul (`grouped_matmul`, a runtime field). "ragged_dot" = `jax.lax.ragged_dot`: it lowers
 to XLA's own `chlo.ragged_dot` on GPU and TPU (checked by lowering for "cuda" and "tpu" from the
 CPU host), which XLA runs as a grouped GEMM, and it is differentiable with no custom VJP of ours.
-tokamax (the Pallas ragged dot the issue names as an alternative) is NOT installed in this
-repository's environment (`import tokamax` fails in .venv), so it is neither used nor measured;
-once it is, it belongs behind kernels/grouped_matmul (the roadmap's next kernel op) and must earn
-its place by a speed-up measured on an accelerator. On CPU, XLA expands `ragged_dot` into a
+tokamax (the Pallas ragged dot the issue names as an alternative; 0.0.12 on PyPI, checked
+2026-12-02) is not a dependency: its ragged-dot kernels target Mosaic GPU (sm90 / sm100) and TPU,
+none of which this project has had to measure on, and it pulls in qwix, pydantic, tensorboardX and
+a pinned typeguard; on a CPU it would run XLA's ragged dot anyway. It belongs behind
+kernels/grouped_matmul (the roadmap's next kernel op) once a speed-up over `ragged_dot` is
+measured on an accelerator. On CPU, XLA expands `ragged_dot` into a
 masked batched dot over all E experts ([E,M,D] x [E,D,F]): E/K times the active FLOPs and an
 [E,M,F] temporary, the very blow-up dropless routing exists to avoid. "blocked" is the CPU path
 without it: every expert's rows are padded to a multiple of a block of b rows and a
