@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sysconfig
 import zlib
@@ -46,6 +47,25 @@ class DocumentSource(Protocol):
     def __getitem__(self, index: int) -> Document: ...
 
     def doc_id(self, index: int) -> str: ...
+
+
+class GeneratedSource:
+    """Base of the generated sources (synthetic tasks, MSA rows): `n` documents made on demand
+    from their index, named "<name>/<index>"; the first ceil(n * val_fraction) indices are the
+    validation split (no hashing of millions of ids). Subclasses set `name` and `options.n`."""
+
+    name: str
+    options: Any
+
+    def __len__(self) -> int:
+        return self.options.n
+
+    def doc_id(self, index: int) -> str:
+        return f"{self.name}/{int(index)}"
+
+    def split_indices(self, split: str, val_fraction: float) -> np.ndarray:
+        n_val = math.ceil(self.options.n * val_fraction) if val_fraction > 0 else 0
+        return np.arange(n_val) if split == "validation" else np.arange(n_val, self.options.n)
 
 
 SourceFactory = Callable[[str, DataConfig], DocumentSource]

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from aiinfra_jax.data.config import DataConfig
-from aiinfra_jax.data.sources import register_source
+from aiinfra_jax.data.sources import GeneratedSource, register_source
 from aiinfra_jax.data.synthetic_msa import MSASource
 from aiinfra_jax.data.tokenizer import load_tokenizer
 from aiinfra_jax.tasks import ContextTooShort, expand_tasks, make_task_example
@@ -124,7 +124,7 @@ def _number(value: str) -> int | float:
         return float(value)
 
 
-class SyntheticSource:
+class SyntheticSource(GeneratedSource):
     """A DocumentSource of pre-tokenised task examples (see the module docstring)."""
 
     def __init__(self, spec: str, cfg: DataConfig):
@@ -181,16 +181,6 @@ class SyntheticSource:
                 f"data source {self.name!r}: task {task!r} has examples needing {worst} tokens "
                 f"(shortest prompt, answer and EOS) in a row of data.seq_len + 1 = "
                 f"{self.seq_len + 1}; raise data.seq_len or drop the task from the source")
-
-    def __len__(self) -> int:
-        return self.options.n
-
-    def doc_id(self, index: int) -> str:
-        return f"{self.name}/{int(index)}"
-
-    def split_indices(self, split: str, val_fraction: float) -> np.ndarray:
-        n_val = math.ceil(self.options.n * val_fraction) if val_fraction > 0 else 0
-        return np.arange(n_val) if split == "validation" else np.arange(n_val, self.options.n)
 
     def example(self, index: int):
         """The task example behind document ``index`` (fits seq_len + 1 with answer and EOS)."""

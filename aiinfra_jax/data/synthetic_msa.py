@@ -64,6 +64,7 @@ from typing import Any
 import numpy as np
 
 from aiinfra_jax.data.config import DataConfig
+from aiinfra_jax.data.sources import GeneratedSource
 from aiinfra_jax.data.tokenizer import load_tokenizer
 from aiinfra_jax.tasks import haystack as hs
 from aiinfra_jax.tasks.common import ADJECTIVES, NOUNS, distinct, example_rng, number7, word_keys
@@ -187,7 +188,7 @@ class MSARow:
     arrays: dict[str, np.ndarray]  # the five [T] arrays of the row
 
 
-class MSASource:
+class MSASource(GeneratedSource):
     """A DocumentSource of whole MSA rows (see the module docstring); ``whole_rows = True``."""
 
     whole_rows = True
@@ -231,16 +232,6 @@ class MSASource:
                 f"max_doc_length={self.max_doc_length} (the longest that fits); {fix}")
         if o.haystack == "essay":
             hs.encode_sentences(tok, "essay")  # fails now if the corpus has no pydoc topics
-
-    def __len__(self) -> int:
-        return self.options.n
-
-    def doc_id(self, index: int) -> str:
-        return f"{self.name}/{int(index)}"
-
-    def split_indices(self, split: str, val_fraction: float) -> np.ndarray:
-        n_val = math.ceil(self.options.n * val_fraction) if val_fraction > 0 else 0
-        return np.arange(n_val) if split == "validation" else np.arange(n_val, self.options.n)
 
     def row(self, index: int) -> MSARow:
         """Row ``index`` and what it claims (see MSARow)."""
