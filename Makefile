@@ -60,13 +60,13 @@ bench-moe: $(VENV)/.stamp-base
 bench-moe-quality: $(VENV)/.stamp-base
 	$(PY) -m aiinfra_jax.eval.bench_moe --quality $(ARGS)
 
-# Prefill and decode tokens/s of generate (tiny dense, NSA and AttnRes presets, 1K/4K context,
-# batch 1/8), beside the bytes one decode step moves.
-# Dense vs NSA vs GDN vs hybrid vs KDA: five tiny runs (about an hour on 2 cores; finished runs are
-# read, not retrained), loss curves as a PNG, loss by position past the training length.
+# Dense vs NSA vs GDN vs hybrid vs KDA, plus dense and NSA with a short conv: seven tiny runs (about
+# 80 minutes; finished runs are read, not retrained), loss curves, loss past the training length.
 bench-recurrent: $(VENV)/.stamp-base
 	$(PY) -m aiinfra_jax.eval.bench_recurrent $(ARGS)
 
+# Prefill and decode tokens/s of generate (tiny dense, NSA and AttnRes presets, 1K/4K context,
+# batch 1/8), beside the bytes one decode step moves.
 bench-generate: $(VENV)/.stamp-base
 	$(PY) -m aiinfra_jax.eval.bench_generate $(ARGS)
 

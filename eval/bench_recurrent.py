@@ -1,10 +1,11 @@
-"""Gated DeltaNet / KDA quality against attention (issue 22): dense, NSA, GDN, the GDN+NSA hybrid and
-KDA, each a tiny preset trained the same 300 steps x 16 x 256 tokens of the embedded corpus.
+"""Gated DeltaNet / KDA quality against attention (issue 22): dense, NSA, GDN, the GDN+NSA hybrid
+and KDA, each a tiny preset trained the same 300 steps x 16 x 256 tokens of the embedded corpus, and
+dense and NSA with a short convolution as controls.
 
     python -m aiinfra_jax.eval.bench_recurrent [--out-dir runs/bench_recurrent] [--long 1024]
     make bench-recurrent
 
-Trains (or reads, when an earlier invocation finished them) the five runs with validation every 50
+Trains (or reads, when an earlier invocation finished them) the seven runs with validation every 50
 steps (QUALITY_RUNS; 7-27 min each on 2 cores), then prints, and writes to --out-dir as
 bench_recurrent.json and bench_recurrent.png:
   * the validation loss curves and each run's final validation (32 batches of 256 tokens);
@@ -32,6 +33,10 @@ QUALITY_RUNS = (  # name, preset, overrides
     ("gdn", "gdn_tiny.py", []),
     ("hybrid", "hybrid_tiny.py", []),
     ("kda", "kda_tiny.py", []),
+    # Controls: the attention presets with a width-4 causal convolution (models/short_conv.py),
+    # since the gated-delta mixers carry one on q, k and v.
+    ("dense_conv", "tiny.py", ["model.short_conv=4"]),
+    ("nsa_conv", "nsa_tiny.py", ["model.short_conv=4"]),
 )
 
 
@@ -45,7 +50,7 @@ def main(argv=None) -> int:
     ap.add_argument("--long", type=int, default=1024, help="row length of the beyond-training-"
                     "length evaluation (0: skip it)")
     ap.add_argument("--long-batches", type=int, default=8)
-    ap.add_argument("--only", default="", help="comma-separated run names (default: all five)")
+    ap.add_argument("--only", default="", help="comma-separated run names (default: all)")
     args = ap.parse_args(argv)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
