@@ -73,7 +73,8 @@ def sample(logits: jax.Array, rng: jax.Array | None, temperature: float = 0.0,
 
 
 # Prefill and decode (pure functions of graphdef + state, jitted) --------------------------------
-def _merge(graphdef, state) -> nnx.Module:
+def inference_model(graphdef, state) -> nnx.Module:
+    """The split model merged inside a jitted program, in its per-block form (module docstring)."""
     model = nnx.merge(graphdef, state)
     unscanned = getattr(model, "unscanned", None)
     return model if unscanned is None else unscanned()
@@ -83,7 +84,7 @@ def _merge(graphdef, state) -> nnx.Module:
 def run_prefill(graphdef, state, tokens_bt, lengths_b, max_len: int, chunk: int):
     """The compiled prefill of `prefill` on a split model: (logits [B,V] at each row's last prompt
     token, cache). Public for the exporters (export_stablehlo lowers it as it is)."""
-    model = _merge(graphdef, state)
+    model = inference_model(graphdef, state)
     batch, seq = tokens_bt.shape
     n_chunks = seq // chunk
     cache = model.init_cache(batch, max_len)
@@ -127,7 +128,7 @@ def run_step(model, cache, tokens_b, positions_b):
 # The cache is donated: a decode step updates it in place instead of copying all S slots.
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
 def _decode_step(graphdef, state, cache, tokens_b, positions_b):
-    return run_step(_merge(graphdef, state), cache, tokens_b, positions_b)
+    return run_step(inference_model(graphdef, state), cache, tokens_b, positions_b)
 
 
 def prefill(model: nnx.Module, tokens: jax.Array, lengths: jax.Array, max_len: int, *,
@@ -176,9 +177,12 @@ def decode_step(model: nnx.Module, cache: Any, tokens: jax.Array,
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5, 6, 7, 8, 9))
-def _decode_loop(graphdef, state, cache, first_logits, lengths_b, max_new: int,
-                 temperature: float, top_p: float, eos_id: int | None, pad_id: int, rng):
-    model = _merge(graphdef, state)
+def decode_loop(graphdef, state, cache, first_logits, positions_b, max_new: int,
+                temperature: float, top_p: float, eos_id: int | None, pad_id: int, rng):
+    """The compiled decode loop of `generate` after a prefill: (tokens [B,N], generated lengths
+    [B], finished [B]); positions_b: the first generated token's positions (the prompt lengths,
+    or an MSA query's offset plus them)."""
+    model = inference_model(graphdef, state)
     batch = first_logits.shape[0]
 
     def pick(logits, step):
@@ -190,7 +194,7 @@ def _decode_loop(graphdef, state, cache, first_logits, lengths_b, max_new: int,
 
     tok = pick(first_logits, 0)
     out = jnp.full((batch, max_new), pad_id, jnp.int32).at[:, 0].set(tok)
-    init = (jnp.int32(1), cache, tok, lengths_b, is_eos(tok), out, jnp.ones((batch,), jnp.int32))
+    init = (jnp.int32(1), cache, tok, positions_b, is_eos(tok), out, jnp.ones((batch,), jnp.int32))
 
     def cond(carry):
         step, _, _, _, done, _, _ = carry
@@ -263,7 +267,7 @@ def generate(model: nnx.Module,
     lengths_j = jnp.asarray(lengths)
     first_logits, cache = prefill(model, tokens, lengths_j, max_len, chunk_size=prefill_chunk)
     graphdef, state = nnx.split(model)
-    out, n_out, done = _decode_loop(graphdef, state, cache, first_logits, lengths_j,
+    out, n_out, done = decode_loop(graphdef, state, cache, first_logits, lengths_j,
                                     max_new_tokens, float(temperature), float(top_p), eos_id,
                                     int(pad_id), rng)
     return GenerateResult(tokens=out, lengths=n_out, finished=done, prompt_lengths=lengths_j)

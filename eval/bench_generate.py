@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from aiinfra_jax.config import apply_overrides, load_config
-from aiinfra_jax.generate import _decode_loop, _decode_step, prefill
+from aiinfra_jax.generate import decode_loop, _decode_step, prefill
 from aiinfra_jax.models import Transformer
 
 PRESETS = {"tiny": ("configs/tiny.py", []), "nsa_tiny": ("configs/nsa_tiny.py", []),
@@ -81,7 +81,7 @@ def measure(preset: str, ctx: int, batch: int, new_tokens: int, repeats: int,
         return jax.block_until_ready((logits, cache))
 
     def run_decode(logits, cache):
-        out = _decode_loop(graphdef, state, cache, logits, lengths, new_tokens, 0.0, 1.0, None, 0,
+        out = decode_loop(graphdef, state, cache, logits, lengths, new_tokens, 0.0, 1.0, None, 0,
                            None)
         jax.block_until_ready(out)
 

@@ -58,20 +58,23 @@ from aiinfra_jax.tasks import NIAH_TASKS, Example, expand_tasks, make_task_examp
 
 
 def parse_length(text: str | int) -> int:
-    """"4k" -> 4096, "1536" -> 1536, "0.5k" -> 512."""
+    """"4k" -> 4096, "1536" -> 1536, "0.5k" -> 512, "1m" -> 1048576."""
     if isinstance(text, (int, np.integer)) and not isinstance(text, bool):
         return int(text)
     t = str(text).strip().lower()
+    unit = {"k": 1024, "m": 1024 * 1024}.get(t[-1:], 1)
     try:
-        value = float(t[:-1]) * 1024 if t.endswith("k") else float(t)
+        value = float(t[:-1] if unit > 1 else t) * unit
     except ValueError as e:
-        raise ValueError(f"length {text!r}: expected tokens like 1024 or 1k") from e
+        raise ValueError(f"length {text!r}: expected tokens like 1024, 1k or 1m") from e
     if value != int(value) or value < 1:
         raise ValueError(f"length {text!r}: must be a positive whole number of tokens")
     return int(value)
 
 
 def format_length(n: int) -> str:
+    if n % (1024 * 1024) == 0:
+        return f"{n // (1024 * 1024)}m"
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 

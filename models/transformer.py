@@ -366,13 +366,16 @@ class Transformer(nnx.Module):
                 carry, new_block_cache, outputs, updated = body(
                     carry, state, None if cache is None else cache[r],
                     None if keys is None else keys[r], graphdef)
-                if not cfg.scan_layers:
+                if not cfg.scan_layers and cache is None:
                     nnx.update(self.blocks[r], updated)
                 new_blocks_caches.append(new_block_cache)
                 per_block.append(outputs)
                 per_block_updates.append(updated)
             stacked = jax.tree.map(lambda *a: jnp.stack(a), *per_block)
-            if cfg.scan_layers:
+            # Cached calls (prefill, decode) are inference: they never change the model's
+            # non-parameter state, and writing it back from inside a decode loop's body would
+            # mutate variables of an outer trace.
+            if cfg.scan_layers and cache is None:
                 nnx.update(self.blocks, jax.tree.map(lambda *a: jnp.stack(a), *per_block_updates))
             new_cache = None if cache is None else tuple(new_blocks_caches)
         x = (residual_cls.finalize(cfg, carry) if self.residual_final is None

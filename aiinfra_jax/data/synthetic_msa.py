@@ -148,15 +148,15 @@ def parse_msa_spec(spec: str) -> tuple[str, MSAOptions]:
     return task, MSAOptions(**kwargs)
 
 
-def _fact(key: str, value: str) -> str:
+def fact_text(key: str, value: str) -> str:
     return f"{key} is {value}."
 
 
-def _query_prompt(key: str) -> str:
+def query_prompt(key: str) -> str:
     return f"{key} is "
 
 
-def _filler(budget: int, fact: np.ndarray, sentences: hs.SentenceSource,
+def filler(budget: int, fact: np.ndarray, sentences: hs.SentenceSource,
             rng: np.random.Generator) -> np.ndarray:
     """``budget`` tokens of haystack sentences with ``fact`` (may be empty) whole between two of
     them, at a uniformly drawn sentence boundary among those that leave it uncut; the last
@@ -204,8 +204,8 @@ class MSASource(GeneratedSource):
         keys = [f"{a}-{b}" for a in ADJECTIVES for b in NOUNS]
         longest_key = max(keys, key=lambda k: hs.encode(tok, k).size)
         probes = [number7(np.random.default_rng(s)) for s in range(32)]
-        self.longest_fact = max(hs.encode(tok, _fact(longest_key, v) + " ").size for v in probes)
-        self.longest_query = 1 + hs.encode(tok, _query_prompt(longest_key)).size + max(
+        self.longest_fact = max(hs.encode(tok, fact_text(longest_key, v) + " ").size for v in probes)
+        self.longest_query = 1 + hs.encode(tok, query_prompt(longest_key)).size + max(
             hs.encode(tok, v).size for v in probes)
         need = self.longest_fact + 1  # [BOS] + the fact; EOS is a target only
         room = cfg.seq_len - self.longest_query
@@ -246,8 +246,8 @@ class MSASource(GeneratedSource):
         positives = tuple(sorted(int(j) for j in order[:o.positives]))
         distractors = tuple(sorted(int(j) for j in order[o.positives:o.positives
                                                            + o.n_distractors]))
-        fact_of = {j: _fact(keys[0], values[0]) for j in positives}
-        fact_of.update({j: _fact(keys[1 + i], values[1 + i]) for i, j in enumerate(distractors)})
+        fact_of = {j: fact_text(keys[0], values[0]) for j in positives}
+        fact_of.update({j: fact_text(keys[1 + i], values[1 + i]) for i, j in enumerate(distractors)})
         inputs, targets, weights, seg, pos, lengths = [], [], [], [], [], []
         for j in range(o.docs):
             sentences = hs.sentence_source(tok, o.haystack, rng)  # "essay": a new random start
@@ -258,7 +258,7 @@ class MSASource(GeneratedSource):
                                  f"> max_doc_length={self.max_doc_length}; raise max_doc_length "
                                  "(lowering docs) or data.seq_len")
             d = int(rng.integers(lo, self.max_doc_length + 1))
-            doc = np.concatenate([[tok.bos_id], _filler(d - 1, fact, sentences, rng),
+            doc = np.concatenate([[tok.bos_id], filler(d - 1, fact, sentences, rng),
                                   [tok.eos_id]]).astype(np.int32)
             inputs.append(doc[:-1])
             targets.append(doc[1:])
@@ -266,7 +266,7 @@ class MSASource(GeneratedSource):
             seg.append(np.full(d, (j + 1) | (ANSWER_BIT if j in positives else 0), np.int32))
             pos.append(np.arange(d, dtype=np.int32))
             lengths.append(d)
-        prompt = np.concatenate([[tok.bos_id], hs.encode(tok, _query_prompt(keys[0]))])
+        prompt = np.concatenate([[tok.bos_id], hs.encode(tok, query_prompt(keys[0]))])
         answer = hs.encode(tok, values[0])
         query = np.concatenate([prompt, answer, [tok.eos_id]]).astype(np.int32)
         q = query.size - 1

@@ -58,8 +58,23 @@ learned scalar clamped to [0.001, 0.5], exact log-sum-exp; mean over rows with a
 "recall@1", "recall@5" (fraction of a row's positives among its top 1 / 5 documents, mean over rows
 with a positive; reported by non-routing MSA layers too, whose router is then untrained).
 
-Not in this part: no cache. init_cache raises NotImplementedError (MSA decoding comes with the
-memory bank, issue 21 part 2); the training path (no cache) never calls it.
+Encoding (a memory bank, aiinfra_jax/memory_bank.py): every MSA layer also records its pooled
+chunks ("pooled_k", "pooled_v", "pooled_route_k" [B,C,K,Dh], models/auxiliary.py `record`), which
+a forward over rows of documents only returns with capture_intermediates=True.
+
+Cache (prefill and decode): {"k", "v": [B,K,M+S,Dh] head-major, "lengths": [B] (the query's own
+tokens in the cache), "mem": [B,M] bool (the memory slots in use), "docs": [B,top_k] int32 (the
+bank documents in memory, increasing, -1 = none)}: the first M slots hold pooled chunks of memory
+documents, the query's own tokens go at M + lengths. init_cache makes M = 0 (an MSA model then
+decodes as causal attention over its own context); memory_bank.attach_bank gives a routing
+layer's cache M = top_k * (the bank's longest document in chunks) slots and a "bank" entry (its
+pooled route_k / k / v [Cp,K,Dh], chunk_doc [Cp], doc_start / doc_chunks [N]). A cached call
+whose cache holds a bank routes: its query tokens (segment id < 0) score the bank in tiles with
+the training rule (msa_routing.bank_document_scores), the top min(top_k, N) documents' pooled
+chunks are gathered into the memory slots, and the returned cache drops the bank; later calls
+(decode) attend to [memory ; own causal context] without touching the bank. So the prefill that
+routes must hold the whole router-read prompt (one call, not chunks), and prefill plus decode
+equal the training forward over [the bank's documents ; the query] (tests/models/test_msa.py).
 """
 
 from __future__ import annotations
@@ -73,16 +88,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from aiinfra_jax.kernels.flash_attention import AttentionMask, flash_attention
+from aiinfra_jax.kernels.flash_attention import AttentionMask, cached_attention, flash_attention
 
-from ..auxiliary import report_loss, report_metric
+from ..auxiliary import record, report_loss, report_metric
 from ..config import ModelConfig, check_implementation, runtime_field
 from ..layers import apply_rope, out_proj_std
 from ..registry import register_config, register_mixer
-from .dense import refuse_rows
+from .dense import cache_mask, cache_room, refuse_rows, write_cache
+from .msa_routing import (
+    ANSWER_BIT, bank_document_scores, document_layout, document_scores, gather_memory, infonce,
+    pool_chunks, query_roles, recall_at, select_bank_documents, select_documents)
 
 
-ANSWER_BIT = 1 << 30  # set in a document's segment id: the document holds the answer
 _HIDDEN = int(np.iinfo(np.int32).min)  # kv segment id of a chunk nobody sees (no token has it)
 HEAD_REDUCE = ("mean", "max")
 QUERY_REDUCE = ("max", "mean", "last")
@@ -200,161 +217,6 @@ def pack_row(doc_lengths: Sequence[int], query_length: int, *, answer_docs: Sequ
     return np.asarray(seg + [0] * pad, np.int32), np.asarray(pos + [0] * pad, np.int32)
 
 
-# Layout, pooling, routing: pure functions -----------------------------------------------------
-
-def num_chunk_slots(seq: int, chunk: int, max_documents: int) -> int:
-    """C: chunk slots per row (every document has ceil(len / L) chunks: at most T // L + N)."""
-    return max(1, min(seq, seq // chunk + max_documents))
-
-
-def document_layout(segment_ids: jax.Array, chunk: int, max_documents: int) -> dict[str, Any]:
-    """Where every document token's chunk goes, from segment_ids [B,T] (module docstring).
-
-    Returns {"doc" [B,T]: document index (N for non-document tokens and documents past N),
-    "slot" [B,T]: chunk slot (C for non-document tokens), "n_docs" [B], "fits" [B] (n_docs <= N),
-    "count" [B,C]: real tokens per chunk slot, "chunk_doc" [B,C]: document of each slot (N if
-    empty), "positive" [B,N] bool, "n_slots": C}.
-    """
-    seg = segment_ids.astype(jnp.int32)
-    batch, seq = seg.shape
-    n, c_slots = max_documents, num_chunk_slots(seq, chunk, max_documents)
-    t = jnp.arange(seq, dtype=jnp.int32)
-    is_doc = seg > 0
-    prev = jnp.concatenate([jnp.zeros((batch, 1), jnp.int32), seg[:, :-1]], axis=1)
-    start = is_doc & (seg != prev)
-    n_docs = jnp.sum(start, axis=1, dtype=jnp.int32)
-    doc = jnp.where(is_doc, jnp.minimum(jnp.cumsum(start, axis=1, dtype=jnp.int32) - 1, n), n)
-    run_start = jax.lax.cummax(jnp.where(start, t, 0), axis=1)
-    in_doc_chunk = (t - run_start) // chunk
-    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, seq))
-    length = jnp.zeros((batch, n + 1), jnp.int32).at[rows, doc].add(1)[:, :n]
-    n_chunks = -(-length // chunk)
-    base = jnp.cumsum(n_chunks, axis=1) - n_chunks
-    slot = jnp.where(doc < n, jnp.take_along_axis(base, jnp.minimum(doc, n - 1), axis=1)
-                     + in_doc_chunk, c_slots)
-    slot = jnp.minimum(slot, c_slots)
-    count = jnp.zeros((batch, c_slots + 1), jnp.int32).at[rows, slot].add(1)[:, :c_slots]
-    chunk_doc = jnp.full((batch, c_slots + 1), n, jnp.int32).at[rows, slot].set(doc)[:, :c_slots]
-    first_id = jnp.zeros((batch, n + 1), jnp.int32).at[rows, jnp.where(start, doc, n)].set(seg)
-    positive = (first_id[:, :n] & ANSWER_BIT) != 0
-    return {"doc": doc, "slot": slot, "n_docs": n_docs, "fits": n_docs <= n, "count": count,
-            "chunk_doc": chunk_doc, "positive": positive, "n_slots": c_slots}
-
-
-def pool_chunks(x_bt: jax.Array, layout: dict[str, Any]) -> jax.Array:
-    """Mean of x [B,T,...] over the real tokens of each chunk slot -> [B,C,...] (float32 sums, x's
-    dtype out; empty slots 0)."""
-    batch, seq = x_bt.shape[:2]
-    c_slots = layout["n_slots"]
-    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, seq))
-    sums = jnp.zeros((batch, c_slots + 1) + x_bt.shape[2:], jnp.float32)
-    sums = sums.at[rows, layout["slot"]].add(x_bt.astype(jnp.float32))[:, :c_slots]
-    count = layout["count"].reshape(layout["count"].shape + (1,) * (x_bt.ndim - 2))
-    return (sums / jnp.maximum(count, 1)).astype(x_bt.dtype)
-
-
-def query_roles(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(query_id [B] (0 without a query), is_query [B,T], reads [B,T]: the query tokens the router
-    reads: all but the last a of the query segment with id -(1 + a))."""
-    seg = segment_ids.astype(jnp.int32)
-    is_query = seg < 0
-    query_id = jnp.min(jnp.where(is_query, seg, 0), axis=1)
-    rank = jnp.cumsum(is_query, axis=1, dtype=jnp.int32) - 1  # index within the query segment
-    n_query = jnp.sum(is_query, axis=1, dtype=jnp.int32)
-    n_read = n_query - (-1 - query_id)  # query length minus the answer
-    reads = is_query & (rank < n_read[:, None])
-    return query_id, is_query, reads
-
-
-def _l2_normalize(x: jax.Array) -> jax.Array:
-    x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True), 1e-30))
-
-
-def document_scores(q_route: jax.Array, k_route_chunks: jax.Array, reads: jax.Array,
-                    layout: dict[str, Any], cfg: MSAConfig) -> jax.Array:
-    """Document scores [B,N] float32 (-inf for empty document slots and rows without router-read
-    query tokens) from rotated routing queries [B,T,H,Dh], pooled routing keys [B,C,K,Dh] and the
-    router-read query tokens reads [B,T] (module docstring for the three reductions)."""
-    batch, seq, heads, dh = q_route.shape
-    kv_heads = k_route_chunks.shape[2]
-    n = layout["positive"].shape[1]
-    q = _l2_normalize(q_route).reshape(batch, seq, kv_heads, heads // kv_heads, dh)
-    k = _l2_normalize(k_route_chunks)
-    cos = jnp.einsum("btkgd,bckd->btkgc", q, k).reshape(batch, seq, heads, -1)
-    s_btc = jnp.mean(cos, axis=2) if cfg.head_reduce == "mean" else jnp.max(cos, axis=2)
-    r = reads[:, :, None]
-    if cfg.query_reduce == "max":
-        s_bc = jnp.max(jnp.where(r, s_btc, -jnp.inf), axis=1)
-    elif cfg.query_reduce == "mean":
-        s_bc = (jnp.sum(jnp.where(r, s_btc, 0.0), axis=1)
-                / jnp.maximum(jnp.sum(reads, axis=1), 1)[:, None])
-    else:  # last router-read query token (padding-aware: the last real one, wherever it is)
-        last = jnp.max(jnp.where(reads, jnp.arange(seq), -1), axis=1)
-        s_bc = jnp.take_along_axis(s_btc, jnp.maximum(last, 0)[:, None, None], axis=1)[:, 0]
-    any_read = jnp.any(reads, axis=1)[:, None]
-    chunk_doc = jnp.where(layout["count"] > 0, layout["chunk_doc"], n)
-    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], chunk_doc.shape)
-    if cfg.chunk_reduce == "max":
-        doc = jnp.full((batch, n + 1), -jnp.inf, jnp.float32).at[rows, chunk_doc].max(s_bc)
-        doc = doc[:, :n]
-    else:
-        total = jnp.zeros((batch, n + 1), jnp.float32).at[rows, chunk_doc].add(s_bc)[:, :n]
-        chunks = jnp.zeros((batch, n + 1), jnp.int32).at[rows, chunk_doc].add(1)[:, :n]
-        doc = jnp.where(chunks > 0, total / jnp.maximum(chunks, 1), -jnp.inf)
-    valid = jnp.arange(n)[None, :] < layout["n_docs"][:, None]
-    return jnp.where(valid & any_read, doc, -jnp.inf)
-
-
-def document_ranks(scores_bn: jax.Array) -> jax.Array:
-    """Rank [B,N] int32 of every document slot by score, descending; ties: lower index first
-    (explicit pairwise count: deterministic on every backend, no sort)."""
-    s_i, s_j = scores_bn[:, :, None], scores_bn[:, None, :]
-    idx = jnp.arange(scores_bn.shape[1])
-    before = (s_j > s_i) | ((s_j == s_i) & (idx[None, None, :] < idx[None, :, None]))
-    return jnp.sum(before, axis=-1, dtype=jnp.int32)
-
-
-def select_documents(scores_bn: jax.Array, n_docs_b: jax.Array, top_k: int
-                     ) -> tuple[jax.Array, jax.Array]:
-    """(ranks [B,N], selected [B,N] bool): the top min(top_k, n_docs) real documents of each row
-    (none in a row whose scores are all -inf, i.e. without a router-read query)."""
-    ranks = document_ranks(scores_bn)
-    real = jnp.arange(scores_bn.shape[1])[None, :] < n_docs_b[:, None]
-    k = jnp.minimum(top_k, n_docs_b)[:, None]
-    return ranks, real & (ranks < k) & jnp.isfinite(scores_bn)
-
-
-def infonce(scores_bn: jax.Array, positive_bn: jax.Array, valid_bn: jax.Array,
-            temperature: jax.Array) -> jax.Array:
-    """Routing loss: mean over rows with a positive of the mean over its positives p of
-    -log(e^{l_p} / (e^{l_p} + sum_{negatives n} e^{l_n})), l = score / temperature; computed with
-    an exact log-sum-exp (no epsilon), zero-gradient on masked slots."""
-    valid = valid_bn & jnp.isfinite(scores_bn)
-    logits = jnp.where(valid, scores_bn, 0.0) / temperature
-    pos, neg = positive_bn & valid, valid & ~positive_bn
-    has_neg = jnp.any(neg, axis=1, keepdims=True)
-    top = jax.lax.stop_gradient(jnp.max(jnp.where(neg, logits, -jnp.inf), axis=1, keepdims=True))
-    top = jnp.where(has_neg, top, 0.0)
-    mass = jnp.sum(jnp.where(neg, jnp.exp(logits - top), 0.0), axis=1, keepdims=True)
-    lse_neg = jnp.log(jnp.where(has_neg, mass, 1.0)) + top
-    per_pos = jnp.where(has_neg, jnp.logaddexp(logits, lse_neg) - logits, 0.0)
-    n_pos = jnp.sum(pos, axis=1)
-    per_row = jnp.sum(jnp.where(pos, per_pos, 0.0), axis=1) / jnp.maximum(n_pos, 1)
-    rows = n_pos > 0
-    return jnp.sum(jnp.where(rows, per_row, 0.0)) / jnp.maximum(jnp.sum(rows), 1)
-
-
-def recall_at(ranks_bn: jax.Array, positive_bn: jax.Array, n_docs_b: jax.Array, k: int
-              ) -> jax.Array:
-    """Mean over rows with a positive of the fraction of its positives ranked < min(k, n_docs)."""
-    hit = positive_bn & (ranks_bn < jnp.minimum(k, n_docs_b)[:, None])
-    n_pos = jnp.sum(positive_bn, axis=1)
-    frac = jnp.sum(hit, axis=1) / jnp.maximum(n_pos, 1)
-    rows = n_pos > 0
-    return jnp.sum(jnp.where(rows, frac, 0.0)) / jnp.maximum(jnp.sum(rows), 1)
-
-
 # The module -------------------------------------------------------------------------------------
 
 class RoutingFlag(nnx.Variable):
@@ -412,19 +274,19 @@ class MSAttention(nnx.Module):
     def __call__(self, x_btd: jax.Array, *, positions: jax.Array,
                  segment_ids: jax.Array | None = None,
                  cache: Any = None) -> tuple[jax.Array, None]:
-        if cache is not None:
-            raise NotImplementedError("MSAttention: cached prefill / decode is not implemented; "
-                                      "MSA decoding comes with the memory bank (issue 21, part 2)")
         c = self.cfg.msa
         dt = jnp.dtype(self.cfg.dtype)
         p = self._project(x_btd, positions)
         kernel = dict(implementation=c.implementation, interpret=c.interpret)
-        if segment_ids is None:  # one document, no query: causal attention
+        new_cache = None
+        if cache is not None:
+            y, new_cache = self._cached(p, segment_ids, cache)
+        elif segment_ids is None:  # one document, no query: causal attention
             y = flash_attention(p["q"], p["k"], p["v"], mask=AttentionMask(causal=True), **kernel)
         else:
             y = self._routed(p, segment_ids.astype(jnp.int32), kernel)
         out = jnp.einsum("bthk,hkd->btd", y.astype(dt), self.wo[...].astype(dt))
-        return out, None
+        return out, new_cache
 
     def _routed(self, p: dict[str, jax.Array], seg: jax.Array, kernel: dict) -> jax.Array:
         c = self.cfg.msa
@@ -433,6 +295,9 @@ class MSAttention(nnx.Module):
         query_id, _, reads = query_roles(seg)
         k_chunks, v_chunks, kr_chunks = (pool_chunks(p[n], layout)
                                          for n in ("k", "v", "k_route"))
+        for name, value in (("pooled_k", k_chunks), ("pooled_v", v_chunks),
+                            ("pooled_route_k", kr_chunks)):
+            record(self, name, value)  # a memory bank's encoding; dropped unless captured
         scores = document_scores(p["q_route"], kr_chunks, reads, layout, c)
         ranks, selected = select_documents(scores, layout["n_docs"], c.top_k)
         selected = selected & (self.routes[...] > 0)
@@ -459,9 +324,44 @@ class MSAttention(nnx.Module):
         # plain packed text (no query) uses no chunk slot, so its outputs never depend on them.
         return refuse_rows(y, layout["fits"] | (query_id == 0))
 
-    def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> Any:
-        raise NotImplementedError("MSAttention.init_cache: MSA decoding comes with the memory "
-                                  "bank (issue 21, part 2); this part trains the mixer only")
+    def _cached(self, p: dict[str, jax.Array], segment_ids: jax.Array | None,
+                cache: dict[str, Any]) -> tuple[jax.Array, dict[str, Any]]:
+        """A cached call (module docstring, "Cache"): routes first when the cache holds a bank."""
+        c = self.cfg.msa
+        batch, seq = p["q"].shape[:2]
+        mem, docs = cache["mem"], cache["docs"]
+        m = mem.shape[1]
+        slots = cache["k"].shape[2] - m
+        lengths = cache["lengths"]
+        added, fits, write_at = cache_room(lengths, segment_ids, seq, slots)
+        k_all = write_cache(cache["k"], p["k"], m + write_at, head_major=True)
+        v_all = write_cache(cache["v"], p["v"], m + write_at, head_major=True)
+        bank = cache.get("bank")
+        if bank is not None and m:
+            reads = (jnp.zeros((batch, seq), jnp.bool_) if segment_ids is None
+                     else segment_ids < 0)
+            scores = bank_document_scores(p["q_route"], reads, bank["route_k"],
+                                          bank["chunk_doc"], bank["doc_start"].shape[0], c)
+            docs = jnp.where(self.routes[...] > 0, select_bank_documents(scores, c.top_k), -1)
+            mem_k, mem_v, mem = gather_memory(bank["k"], bank["v"], bank["doc_start"],
+                                              bank["doc_chunks"], docs, m // c.top_k)
+            k_all = k_all.at[:, :, :m].set(mem_k.astype(k_all.dtype))
+            v_all = v_all.at[:, :, :m].set(mem_v.astype(v_all.dtype))
+        visible = jnp.concatenate([jnp.broadcast_to(mem[:, None, :], (batch, seq, m)),
+                                   cache_mask(lengths, seq, slots)], axis=2)
+        y = refuse_rows(cached_attention(p["q"], k_all, v_all, visible), fits)
+        return y, {"k": k_all, "v": v_all, "lengths": lengths + jnp.where(fits, added, 0),
+                   "mem": mem, "docs": docs}
+
+    def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> dict[str, jax.Array]:
+        """A cache without memory slots (module docstring, "Cache"); memory_bank.attach_bank
+        gives a routing layer its memory."""
+        dtype = jnp.dtype(dtype or self.cfg.dtype)
+        shape = (batch, self.cfg.n_kv_heads, max_len, self.cfg.resolved_head_dim)
+        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
+                "lengths": jnp.zeros((batch,), jnp.int32),
+                "mem": jnp.zeros((batch, 0), jnp.bool_),
+                "docs": jnp.full((batch, self.cfg.msa.top_k), -1, jnp.int32)}
 
     def flops_per_token(self, seq_len: int) -> float:
         """Projections (q, k, v, o and the two router projections), routing scores against every

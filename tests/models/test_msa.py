@@ -14,9 +14,10 @@ import pytest
 from flax import nnx
 
 from aiinfra_jax.models import ModelConfig, Transformer, get_mixer
-from aiinfra_jax.models.attention.msa import (
-    ANSWER_BIT, MSAConfig, MSAttention, document_layout, document_ranks,
-    document_scores, infonce, pack_row, pool_chunks, query_roles, select_documents)
+from aiinfra_jax.models.attention.msa import MSAConfig, MSAttention, pack_row
+from aiinfra_jax.models.attention.msa_routing import (
+    ANSWER_BIT, document_layout, document_ranks, document_scores, infonce, pool_chunks,
+    query_roles, select_documents)
 
 # Chunks of 4 tokens, 2 documents selected, up to 8 documents per row; layer 1 routes.
 MSA = MSAConfig(chunk=4, top_k=2, max_documents=8, routing_layers=(1,), implementation="xla",
@@ -104,8 +105,8 @@ def test_registered_layout_and_pack_row():
     assert seg[6] == 2 | ANSWER_BIT and (seg[23:29] == -3).all() and (seg[29:] == 0).all()
     pos = np.asarray(POS[0])
     assert list(pos[6:15]) == list(range(9)) and list(pos[23:29]) == list(range(2, 8))
-    with pytest.raises(NotImplementedError, match="memory bank"):
-        _layer().init_cache(1, 8)
+    cache = _layer().init_cache(1, 8)
+    assert cache["k"].shape == (1, 2, 8, 8) and cache["mem"].shape == (1, 0)
 
 
 def test_pooling_with_partial_chunks_matches_numpy():

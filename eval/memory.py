@@ -1,0 +1,281 @@
+"""The MSA memory bank from the command line, and needle-in-a-haystack over a bank (issue 21).
+
+    python -m aiinfra_jax.eval.memory build --checkpoint RUN --docs PATH --out BANK
+    python -m aiinfra_jax.eval.memory build --checkpoint RUN --docs MORE --out BANK --append
+    python -m aiinfra_jax.eval.memory query --checkpoint RUN --bank BANK --prompt "golden-harbor is "
+    python -m aiinfra_jax.eval.memory niah --checkpoint RUN --sizes 32k,128k,1m --out-dir DIR
+
+build: encodes a local collection (a .jsonl file with a "text" field, a text file of blank-line
+separated paragraphs, or a folder of .txt files; aiinfra_jax/memory_bank.read_documents) into a
+bank (aiinfra_jax/memory_bank.py), with a progress bar. query: routes a prompt over the bank and
+prints the greedy answer and the documents each routing layer chose.
+
+niah: the memory mode of the long-context evaluation. A bank of generated documents in the
+distribution the model was trained on (the run's ``synthetic:msa_niah`` source: its haystack, its
+document lengths), grown by appends to each size in turn; `queries` needle documents hold the fact
+"{key} is {value}." and sit at random places among the first size's documents, every other
+document holds a fact of another key while distinct keys last (10,302 adjective-noun pairs), the
+rest are plain haystack. Each query is "[BOS]{key} is " (the training query's prompt); it is right
+when the greedy answer up to EOS is the value. Per size: exact match, the share of queries whose
+needle document is among each routing layer's chosen top-k, encoding throughput (tokens/s of that
+append), prefill time of one query (routing over the whole bank) and decode time per token (which
+the bank does not touch), bank bytes per memory token, and device bytes of the bank. Results go to
+DIR/memory_niah.json and a markdown table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from aiinfra_jax import memory_bank as mb
+from aiinfra_jax.data.synthetic_msa import MSASource, fact_text, filler, query_prompt
+from aiinfra_jax.eval.longctx import format_length, parse_length
+from aiinfra_jax.generate import decode_loop
+from aiinfra_jax.load import load_model
+from aiinfra_jax.tasks import haystack as hs
+from aiinfra_jax.tasks.common import ADJECTIVES, NOUNS, distinct, example_rng, number7, word_keys
+
+EVAL_SEED = 7  # never a training seed (those start at 2**40, data/synthetic_msa.py)
+
+
+def _answer_text(tokenizer, tokens: np.ndarray, length: int) -> str:
+    """The generated text up to EOS; ids the tokenizer does not have (the model's vocabulary is
+    padded past it) show as <unk:ID> (never right, never dropped)."""
+    ids = [int(t) for t in tokens[:length]]
+    if ids and ids[-1] == tokenizer.eos_id:
+        ids = ids[:-1]
+    parts, run = [], []
+    for t in ids + [None]:
+        if t is not None and 0 <= t < tokenizer.vocab_size:
+            run.append(t)
+            continue
+        if run:
+            parts.append(tokenizer.decode(run))
+            run = []
+        if t is not None:
+            parts.append(f"<unk:{t}>")
+    return "".join(parts)
+
+
+# The collection of the niah mode ---------------------------------------------------------------
+
+def _msa_source(loaded) -> MSASource | None:
+    for spec in loaded.config.data.sources:
+        if spec.startswith("synthetic:msa_"):
+            return MSASource(spec, loaded.config.data)
+    return None
+
+
+def niah_collection(loaded, sizes: list[int], queries: int, seed: int = EVAL_SEED
+                    ) -> dict[str, Any]:
+    """Documents up to max(sizes) tokens (module docstring): {"docs": token arrays, "prefix": the
+    document count of each size, "needles": [(doc index, key, value)] (queries of them)}."""
+    tok = loaded.tokenizer
+    src = _msa_source(loaded)
+    lo, hi = ((src.min_doc_length, src.max_doc_length) if src is not None else (32, 64))
+    haystack = src.options.haystack if src is not None else "essay"
+    rng = example_rng("msa_bank_niah", seed)
+    lengths, total, prefix = [], 0, []
+    for size in sorted(sizes):
+        while total < size:
+            n = int(rng.integers(lo, hi + 1))
+            lengths.append(n)
+            total += n
+        prefix.append(len(lengths))
+    if queries > prefix[0]:
+        raise ValueError(f"niah: {queries} queries need as many documents in the smallest bank "
+                         f"({prefix[0]} documents); lower --queries or raise the first size")
+    n_keys = min(len(lengths), len(ADJECTIVES) * len(NOUNS))
+    keys = word_keys(rng, n_keys)
+    values = distinct(rng, n_keys, number7)
+    needle_docs = rng.choice(prefix[0], size=queries, replace=False)
+    key_of = {int(d): q for q, d in enumerate(needle_docs)}
+    others = iter(range(queries, n_keys))
+    docs, needles = [], []
+    for j, n in enumerate(lengths):
+        k = key_of[j] if j in key_of else next(others, None)
+        fact = (hs.encode(tok, fact_text(keys[k], values[k]) + " ") if k is not None
+                else np.zeros(0, np.int32))
+        if fact.size + 1 > n:
+            n = fact.size + 1
+        sentences = hs.sentence_source(tok, haystack, rng)
+        docs.append(np.concatenate([[tok.bos_id], filler(n - 1, fact, sentences, rng)])
+                    .astype(np.int32))
+    for q, d in enumerate(needle_docs):
+        needles.append((int(d), keys[q], values[q]))
+    return {"docs": docs, "prefix": prefix, "needles": needles}
+
+
+def _time(fn, repeats: int = 3) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def evaluate_size(model, tokenizer, bank: mb.MemoryBank, needles, *, batch: int,
+                  max_new_tokens: int) -> dict[str, Any]:
+    """Exact match, routing recall and timings of the bank as it is (module docstring)."""
+    device_bank = bank.to_device()
+    prompts = [[tokenizer.bos_id] + hs.encode(tokenizer, query_prompt(key)).tolist()
+               for _, key, _ in needles]
+    right, found = 0, {}
+    for first in range(0, len(prompts), batch):
+        part = needles[first:first + batch]
+        ans = mb.generate_from_bank(model, device_bank, prompts[first:first + batch],
+                                    max_new_tokens=max_new_tokens, eos_id=tokenizer.eos_id)
+        toks, lens = np.asarray(ans.result.tokens), np.asarray(ans.result.lengths)
+        for b, (doc, _, value) in enumerate(part):
+            right += _answer_text(tokenizer, toks[b], lens[b]) == value
+            for layer, chosen in ans.documents.items():
+                found[layer] = found.get(layer, 0) + int(doc in chosen[b])
+    # One query: the prefill (routing over every chunk) and the decode steps, timed apart.
+    one = np.asarray([prompts[0]], np.int32)
+    length = np.asarray([one.shape[1]], np.int32)
+    logits, cache = mb.bank_prefill(model, device_bank, one, length, one.shape[1] + 16)
+    prefill_s = _time(lambda: mb.bank_prefill(model, device_bank, one, length,
+                                              one.shape[1] + 16)[0])
+    graphdef, state = nnx.split(model)
+    pos = jnp.asarray(length + model.cfg.msa.resolved_query_offset)
+
+    def decode():  # decode_loop does not donate the cache: each repeat starts from the same one
+        return decode_loop(graphdef, state, cache, logits, pos, 16, 0.0, 1.0, None, 0, None)[0]
+
+    decode_s = _time(decode) / 16
+    files = sum((bank.path / name).stat().st_size for name in bank._files())
+    device = sum(int(np.prod(a.shape)) * a.dtype.itemsize
+                 for a in jax.tree.leaves({k: v for k, v in device_bank.items()
+                                           if k != "max_doc_chunks"}))
+    return {"tokens": bank.n_tokens, "documents": bank.n_docs, "chunks": bank.n_chunks,
+            "exact_match": right / len(needles),
+            "recall_topk": {str(k): v / len(needles) for k, v in sorted(found.items())},
+            "prefill_s": prefill_s, "decode_s_per_token": decode_s,
+            "bank_bytes_per_token": files / bank.n_tokens, "device_bank_bytes": device}
+
+
+def run_niah(checkpoint: str, sizes: list[int], out_dir: Path, *, queries: int, batch: int,
+             max_new_tokens: int, overrides=()) -> dict[str, Any]:
+    loaded = load_model(checkpoint, overrides=list(overrides))
+    model, tok = loaded.model, loaded.tokenizer
+    col = niah_collection(loaded, sizes, queries)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "bank"
+    src = _msa_source(loaded)
+    longest = max(d.size for d in col["docs"])
+    limit = max(longest, src.max_doc_length if src is not None else 0)
+    rows = []
+    start = 0
+    for size, stop in zip(sorted(sizes), col["prefix"]):
+        part = col["docs"][start:stop]
+        t0 = time.perf_counter()
+        bank = mb.build_bank(model, part, path, append=start > 0, overwrite=start == 0,
+                             max_doc_length=limit, row_len=max(256, limit), progress=True)
+        enc_s = time.perf_counter() - t0
+        row = evaluate_size(model, tok, bank, col["needles"], batch=batch,
+                            max_new_tokens=max_new_tokens)
+        row.update(size=format_length(size),
+                   encode_tokens_per_s=sum(d.size for d in part) / enc_s)
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        start = stop
+    result = {"checkpoint": str(checkpoint), "step": loaded.step, "queries": queries,
+              "top_k": model.cfg.msa.top_k, "chunk": model.cfg.msa.chunk,
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows}
+    (out_dir / "memory_niah.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def markdown(result: dict[str, Any]) -> str:
+    layers = sorted({k for r in result["rows"] for k in r["recall_topk"]}, key=int)
+    head = ("| bank | docs | exact match | " + " | ".join(f"needle in top-{result['top_k']}, "
+                                                     f"layer {k}" for k in layers)
+            + " | encode tok/s | prefill s | decode ms/token | bytes/token |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in result["rows"]:
+        lines.append(f"| {r['size']} | {r['documents']} | {100 * r['exact_match']:.1f}% | "
+                     + " | ".join(f"{100 * r['recall_topk'][k]:.1f}%" for k in layers)
+                     + f" | {r['encode_tokens_per_s']:,.0f} | {r['prefill_s']:.3f} | "
+                     f"{1000 * r['decode_s_per_token']:.2f} | {r['bank_bytes_per_token']:.0f} |")
+    return "\n".join(lines)
+
+
+# CLI ---------------------------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m aiinfra_jax.eval.memory",
+                                 description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="encode a document collection into a bank")
+    b.add_argument("--checkpoint", required=True)
+    b.add_argument("--docs", required=True, help=".jsonl, text file, or folder of .txt files")
+    b.add_argument("--out", required=True)
+    b.add_argument("--append", action="store_true", help="add to an existing bank")
+    b.add_argument("--overwrite", action="store_true", help="replace an existing bank")
+    b.add_argument("--field", default="text", help="the text field of .jsonl documents")
+    b.add_argument("--max-doc-length", type=int, default=1024)
+    b.add_argument("--no-bos", action="store_true", help="do not prepend BOS to documents")
+    q = sub.add_parser("query", help="answer a prompt over a bank")
+    q.add_argument("--checkpoint", required=True)
+    q.add_argument("--bank", required=True)
+    q.add_argument("--prompt", required=True)
+    q.add_argument("--max-new-tokens", type=int, default=32)
+    n = sub.add_parser("niah", help="needle in a haystack over banks of growing size")
+    n.add_argument("--checkpoint", required=True)
+    n.add_argument("--sizes", default="32k,128k,1m")
+    n.add_argument("--queries", type=int, default=50)
+    n.add_argument("--batch", type=int, default=25)
+    n.add_argument("--max-new-tokens", type=int, default=12)
+    n.add_argument("--out-dir", required=True)
+    for p in (b, q, n):
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="run-time overrides of the model (model.msa.implementation=xla, ...)")
+    args = ap.parse_args(argv)
+    try:
+        if args.command == "build":
+            loaded = load_model(args.checkpoint, overrides=args.set)
+            docs, ids = mb.read_documents(args.docs, loaded.tokenizer, field=args.field,
+                                          bos=not args.no_bos)
+            bank = mb.build_bank(loaded.model, docs, args.out, ids=ids, append=args.append,
+                                 overwrite=args.overwrite, max_doc_length=args.max_doc_length,
+                                 progress=True)
+            print(f"bank {args.out}: {bank.n_docs} documents, {bank.n_tokens} tokens, "
+                  f"{bank.n_chunks} chunks per routing layer {list(bank.layers)}")
+        elif args.command == "query":
+            loaded = load_model(args.checkpoint, overrides=args.set)
+            tok = loaded.tokenizer
+            bank = mb.MemoryBank.open(args.bank, model=loaded.model)
+            prompt = [tok.bos_id] + list(tok.encode(args.prompt))
+            ans = mb.generate_from_bank(loaded.model, bank.to_device(), [prompt],
+                                        max_new_tokens=args.max_new_tokens, eos_id=tok.eos_id)
+            ids = bank.doc_ids()
+            print(_answer_text(tok, np.asarray(ans.result.tokens)[0],
+                               int(ans.result.lengths[0])))
+            for layer, chosen in ans.documents.items():
+                print(f"layer {layer} read documents: "
+                      f"{[ids[d] for d in chosen[0].tolist() if d >= 0]}", file=sys.stderr)
+        else:
+            sizes = [parse_length(s) for s in args.sizes.split(",") if s.strip()]
+            result = run_niah(args.checkpoint, sizes, Path(args.out_dir), queries=args.queries,
+                              batch=args.batch, max_new_tokens=args.max_new_tokens,
+                              overrides=args.set)
+            print(markdown(result))
+    except (mb.BankError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,272 @@
+"""The pure functions of MSA (models/attention/msa.py, whose module docstring defines the batch
+convention and the routing): the document layout of a packed row, chunk pooling, routing scores,
+top-k selection, the InfoNCE routing loss and recall; and their memory-bank forms, which score a
+bank of pre-encoded documents (aiinfra_jax/memory_bank.py) in tiles and gather the chosen
+documents' pooled chunks into a query's cache.
+
+Shape letters as in msa.py; for a bank: Cb pooled chunks of N documents (Cp: Cb padded to a
+multiple of the scoring tile), M memory slots of a query's cache (top_k * the longest document's
+chunks).
+
+Training and the bank share one scoring rule (chunk_scores, then accumulate_document_scores): the
+bank only splits the chunks into tiles, so a query scores a bank exactly as the same documents in
+a packed row. Ties: lower document index first, everywhere (document_ranks counts explicitly;
+jax.lax.top_k documents the same rule).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+ANSWER_BIT = 1 << 30  # set in a document's segment id: the document holds the answer
+BANK_TILE = 4096  # bank chunks scored per step of the tiled scan ([B,T,H,tile] floats live)
+
+
+def num_chunk_slots(seq: int, chunk: int, max_documents: int) -> int:
+    """C: chunk slots per row (every document has ceil(len / L) chunks: at most T // L + N)."""
+    return max(1, min(seq, seq // chunk + max_documents))
+
+
+def document_layout(segment_ids: jax.Array, chunk: int, max_documents: int) -> dict[str, Any]:
+    """Where every document token's chunk goes, from segment_ids [B,T] (module docstring).
+
+    Returns {"doc" [B,T]: document index (N for non-document tokens and documents past N),
+    "slot" [B,T]: chunk slot (C for non-document tokens), "n_docs" [B], "fits" [B] (n_docs <= N),
+    "count" [B,C]: real tokens per chunk slot, "chunk_doc" [B,C]: document of each slot (N if
+    empty), "positive" [B,N] bool, "n_slots": C}.
+    """
+    seg = segment_ids.astype(jnp.int32)
+    batch, seq = seg.shape
+    n, c_slots = max_documents, num_chunk_slots(seq, chunk, max_documents)
+    t = jnp.arange(seq, dtype=jnp.int32)
+    is_doc = seg > 0
+    prev = jnp.concatenate([jnp.zeros((batch, 1), jnp.int32), seg[:, :-1]], axis=1)
+    start = is_doc & (seg != prev)
+    n_docs = jnp.sum(start, axis=1, dtype=jnp.int32)
+    doc = jnp.where(is_doc, jnp.minimum(jnp.cumsum(start, axis=1, dtype=jnp.int32) - 1, n), n)
+    run_start = jax.lax.cummax(jnp.where(start, t, 0), axis=1)
+    in_doc_chunk = (t - run_start) // chunk
+    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, seq))
+    length = jnp.zeros((batch, n + 1), jnp.int32).at[rows, doc].add(1)[:, :n]
+    n_chunks = -(-length // chunk)
+    base = jnp.cumsum(n_chunks, axis=1) - n_chunks
+    slot = jnp.where(doc < n, jnp.take_along_axis(base, jnp.minimum(doc, n - 1), axis=1)
+                     + in_doc_chunk, c_slots)
+    slot = jnp.minimum(slot, c_slots)
+    count = jnp.zeros((batch, c_slots + 1), jnp.int32).at[rows, slot].add(1)[:, :c_slots]
+    chunk_doc = jnp.full((batch, c_slots + 1), n, jnp.int32).at[rows, slot].set(doc)[:, :c_slots]
+    first_id = jnp.zeros((batch, n + 1), jnp.int32).at[rows, jnp.where(start, doc, n)].set(seg)
+    positive = (first_id[:, :n] & ANSWER_BIT) != 0
+    return {"doc": doc, "slot": slot, "n_docs": n_docs, "fits": n_docs <= n, "count": count,
+            "chunk_doc": chunk_doc, "positive": positive, "n_slots": c_slots}
+
+
+def pool_chunks(x_bt: jax.Array, layout: dict[str, Any]) -> jax.Array:
+    """Mean of x [B,T,...] over the real tokens of each chunk slot -> [B,C,...] (float32 sums, x's
+    dtype out; empty slots 0)."""
+    batch, seq = x_bt.shape[:2]
+    c_slots = layout["n_slots"]
+    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, seq))
+    sums = jnp.zeros((batch, c_slots + 1) + x_bt.shape[2:], jnp.float32)
+    sums = sums.at[rows, layout["slot"]].add(x_bt.astype(jnp.float32))[:, :c_slots]
+    count = layout["count"].reshape(layout["count"].shape + (1,) * (x_bt.ndim - 2))
+    return (sums / jnp.maximum(count, 1)).astype(x_bt.dtype)
+
+
+def query_roles(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(query_id [B] (0 without a query), is_query [B,T], reads [B,T]: the query tokens the router
+    reads: all but the last a of the query segment with id -(1 + a))."""
+    seg = segment_ids.astype(jnp.int32)
+    is_query = seg < 0
+    query_id = jnp.min(jnp.where(is_query, seg, 0), axis=1)
+    rank = jnp.cumsum(is_query, axis=1, dtype=jnp.int32) - 1  # index within the query segment
+    n_query = jnp.sum(is_query, axis=1, dtype=jnp.int32)
+    n_read = n_query - (-1 - query_id)  # query length minus the answer
+    reads = is_query & (rank < n_read[:, None])
+    return query_id, is_query, reads
+
+
+def _l2_normalize(x: jax.Array) -> jax.Array:
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True), 1e-30))
+
+
+def chunk_scores(q_route: jax.Array, k_route_chunks: jax.Array, reads: jax.Array,
+                 cfg: Any) -> jax.Array:
+    """Chunk scores [B,C] float32: reduce over the router-read query tokens (cfg.query_reduce) of
+    reduce over heads (cfg.head_reduce; query head h uses key head h // G) of cos(q_route,
+    k_route_chunk), from rotated routing queries [B,T,H,Dh], pooled routing keys [B,C,K,Dh] (one
+    set per row) or [C,K,Dh] (shared by every row: a memory bank's tile) and reads [B,T]. A row
+    without router-read tokens gets -inf ("max"), 0 ("mean") or its first token's score ("last");
+    the document reduction masks it."""
+    batch, seq, heads, dh = q_route.shape
+    kv_heads = k_route_chunks.shape[-2]
+    q = _l2_normalize(q_route).reshape(batch, seq, kv_heads, heads // kv_heads, dh)
+    k = _l2_normalize(k_route_chunks)
+    pattern = "btkgd,ckd->btkgc" if k.ndim == 3 else "btkgd,bckd->btkgc"
+    cos = jnp.einsum(pattern, q, k).reshape(batch, seq, heads, -1)
+    s_btc = jnp.mean(cos, axis=2) if cfg.head_reduce == "mean" else jnp.max(cos, axis=2)
+    r = reads[:, :, None]
+    if cfg.query_reduce == "max":
+        return jnp.max(jnp.where(r, s_btc, -jnp.inf), axis=1)
+    if cfg.query_reduce == "mean":
+        return (jnp.sum(jnp.where(r, s_btc, 0.0), axis=1)
+                / jnp.maximum(jnp.sum(reads, axis=1), 1)[:, None])
+    # last router-read query token (padding-aware: the last real one, wherever it is)
+    last = jnp.max(jnp.where(reads, jnp.arange(seq), -1), axis=1)
+    return jnp.take_along_axis(s_btc, jnp.maximum(last, 0)[:, None, None], axis=1)[:, 0]
+
+
+def init_document_scores(batch: int, n: int, chunk_reduce: str) -> tuple[jax.Array, jax.Array]:
+    """The running (value, chunk count) [B,N+1] of accumulate_document_scores (slot N: dropped)."""
+    fill = -jnp.inf if chunk_reduce == "max" else 0.0
+    return (jnp.full((batch, n + 1), fill, jnp.float32), jnp.zeros((batch, n + 1), jnp.int32))
+
+
+def accumulate_document_scores(acc: tuple[jax.Array, jax.Array], s_bc: jax.Array,
+                               chunk_doc_bc: jax.Array, chunk_reduce: str
+                               ) -> tuple[jax.Array, jax.Array]:
+    """Folds chunk scores s [B,C] into their documents chunk_doc [B,C] (N = no document)."""
+    value, count = acc
+    rows = jnp.broadcast_to(jnp.arange(s_bc.shape[0])[:, None], chunk_doc_bc.shape)
+    if chunk_reduce == "max":
+        value = value.at[rows, chunk_doc_bc].max(s_bc)
+    else:
+        value = value.at[rows, chunk_doc_bc].add(s_bc)
+    return value, count.at[rows, chunk_doc_bc].add(1)
+
+
+def finish_document_scores(acc: tuple[jax.Array, jax.Array], chunk_reduce: str) -> jax.Array:
+    """Document scores [B,N] from the running (value, count): -inf for documents without chunks."""
+    value, count = acc[0][:, :-1], acc[1][:, :-1]
+    if chunk_reduce == "max":
+        return value
+    return jnp.where(count > 0, value / jnp.maximum(count, 1), -jnp.inf)
+
+
+def document_scores(q_route: jax.Array, k_route_chunks: jax.Array, reads: jax.Array,
+                    layout: dict[str, Any], cfg: Any) -> jax.Array:
+    """Document scores [B,N] float32 (-inf for empty document slots and rows without router-read
+    query tokens) from rotated routing queries [B,T,H,Dh], pooled routing keys [B,C,K,Dh] and the
+    router-read query tokens reads [B,T] (msa.py's module docstring for the three reductions)."""
+    batch = q_route.shape[0]
+    n = layout["positive"].shape[1]
+    s_bc = chunk_scores(q_route, k_route_chunks, reads, cfg)
+    chunk_doc = jnp.where(layout["count"] > 0, layout["chunk_doc"], n)
+    acc = accumulate_document_scores(init_document_scores(batch, n, cfg.chunk_reduce), s_bc,
+                                     chunk_doc, cfg.chunk_reduce)
+    doc = finish_document_scores(acc, cfg.chunk_reduce)
+    valid = jnp.arange(n)[None, :] < layout["n_docs"][:, None]
+    return jnp.where(valid & jnp.any(reads, axis=1)[:, None], doc, -jnp.inf)
+
+
+def document_ranks(scores_bn: jax.Array) -> jax.Array:
+    """Rank [B,N] int32 of every document slot by score, descending; ties: lower index first
+    (explicit pairwise count: deterministic on every backend, no sort)."""
+    s_i, s_j = scores_bn[:, :, None], scores_bn[:, None, :]
+    idx = jnp.arange(scores_bn.shape[1])
+    before = (s_j > s_i) | ((s_j == s_i) & (idx[None, None, :] < idx[None, :, None]))
+    return jnp.sum(before, axis=-1, dtype=jnp.int32)
+
+
+def select_documents(scores_bn: jax.Array, n_docs_b: jax.Array, top_k: int
+                     ) -> tuple[jax.Array, jax.Array]:
+    """(ranks [B,N], selected [B,N] bool): the top min(top_k, n_docs) real documents of each row
+    (none in a row whose scores are all -inf, i.e. without a router-read query)."""
+    ranks = document_ranks(scores_bn)
+    real = jnp.arange(scores_bn.shape[1])[None, :] < n_docs_b[:, None]
+    k = jnp.minimum(top_k, n_docs_b)[:, None]
+    return ranks, real & (ranks < k) & jnp.isfinite(scores_bn)
+
+
+def infonce(scores_bn: jax.Array, positive_bn: jax.Array, valid_bn: jax.Array,
+            temperature: jax.Array) -> jax.Array:
+    """Routing loss: mean over rows with a positive of the mean over its positives p of
+    -log(e^{l_p} / (e^{l_p} + sum_{negatives n} e^{l_n})), l = score / temperature; computed with
+    an exact log-sum-exp (no epsilon), zero-gradient on masked slots."""
+    valid = valid_bn & jnp.isfinite(scores_bn)
+    logits = jnp.where(valid, scores_bn, 0.0) / temperature
+    pos, neg = positive_bn & valid, valid & ~positive_bn
+    has_neg = jnp.any(neg, axis=1, keepdims=True)
+    top = jax.lax.stop_gradient(jnp.max(jnp.where(neg, logits, -jnp.inf), axis=1, keepdims=True))
+    top = jnp.where(has_neg, top, 0.0)
+    mass = jnp.sum(jnp.where(neg, jnp.exp(logits - top), 0.0), axis=1, keepdims=True)
+    lse_neg = jnp.log(jnp.where(has_neg, mass, 1.0)) + top
+    per_pos = jnp.where(has_neg, jnp.logaddexp(logits, lse_neg) - logits, 0.0)
+    n_pos = jnp.sum(pos, axis=1)
+    per_row = jnp.sum(jnp.where(pos, per_pos, 0.0), axis=1) / jnp.maximum(n_pos, 1)
+    rows = n_pos > 0
+    return jnp.sum(jnp.where(rows, per_row, 0.0)) / jnp.maximum(jnp.sum(rows), 1)
+
+
+def recall_at(ranks_bn: jax.Array, positive_bn: jax.Array, n_docs_b: jax.Array, k: int
+              ) -> jax.Array:
+    """Mean over rows with a positive of the fraction of its positives ranked < min(k, n_docs)."""
+    hit = positive_bn & (ranks_bn < jnp.minimum(k, n_docs_b)[:, None])
+    n_pos = jnp.sum(positive_bn, axis=1)
+    frac = jnp.sum(hit, axis=1) / jnp.maximum(n_pos, 1)
+    rows = n_pos > 0
+    return jnp.sum(jnp.where(rows, frac, 0.0)) / jnp.maximum(jnp.sum(rows), 1)
+
+
+# The memory bank's forms ------------------------------------------------------------------------
+
+def bank_document_scores(q_route: jax.Array, reads: jax.Array, route_k: jax.Array,
+                         chunk_doc: jax.Array, n_docs: int, cfg: Any) -> jax.Array:
+    """Scores [B,N] of a bank's N documents (-inf in rows without router-read tokens): routing
+    queries [B,T,H,Dh], reads [B,T], the bank's pooled routing keys route_k [Cp,K,Dh] with their
+    documents chunk_doc [Cp] (N for padding). A scan over tiles of min(BANK_TILE, Cp) chunks, so
+    memory stays [B,T,H,tile] whatever the bank's size (Cp must be a multiple of the tile)."""
+    batch = q_route.shape[0]
+    total = route_k.shape[0]
+    tile = min(BANK_TILE, total)
+    if total % tile:
+        raise ValueError(f"bank_document_scores: {total} bank chunks is not a multiple of the "
+                         f"scoring tile {tile}; pad the bank (memory_bank.device_bank does)")
+    keys = route_k.reshape((total // tile, tile) + route_k.shape[1:])
+    docs = chunk_doc.reshape(total // tile, tile)
+
+    def body(acc, xs):
+        k_tile, d_tile = xs
+        s_bc = chunk_scores(q_route, k_tile, reads, cfg)
+        d_bc = jnp.broadcast_to(d_tile[None], s_bc.shape)
+        return accumulate_document_scores(acc, s_bc, d_bc, cfg.chunk_reduce), None
+
+    acc, _ = jax.lax.scan(body, init_document_scores(batch, n_docs, cfg.chunk_reduce),
+                          (keys, docs))
+    scores = finish_document_scores(acc, cfg.chunk_reduce)
+    return jnp.where(jnp.any(reads, axis=1)[:, None], scores, -jnp.inf)
+
+
+def select_bank_documents(scores_bn: jax.Array, top_k: int) -> jax.Array:
+    """The top min(top_k, N) documents [B,top_k] int32 of each row by score (ties: lower index),
+    listed in increasing document order (the order of a packed row's chunks), -1 in unused
+    places (rows without router-read tokens, or N < top_k)."""
+    n = scores_bn.shape[1]
+    k = min(top_k, n)
+    values, index = jax.lax.top_k(scores_bn, k)
+    index = jnp.sort(jnp.where(jnp.isfinite(values), index, n), axis=1)
+    docs = jnp.where(index < n, index, -1).astype(jnp.int32)
+    return jnp.pad(docs, ((0, 0), (0, top_k - k)), constant_values=-1)
+
+
+def gather_memory(bank_k: jax.Array, bank_v: jax.Array, doc_start: jax.Array,
+                  doc_chunks: jax.Array, docs_bk: jax.Array, max_chunks: int
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(mem_k, mem_v [B,K,M,Dh], valid [B,M]) with M = k * max_chunks: selected document r's
+    chunks c < doc_chunks[doc] at memory slots r * max_chunks + c, from the bank's pooled keys and
+    values [Cp,K,Dh] (document d's chunks at doc_start[d] ...); docs_bk [B,k] (-1 = none)."""
+    batch, k = docs_bk.shape
+    c = jnp.arange(max_chunks, dtype=jnp.int32)
+    d = jnp.maximum(docs_bk, 0)
+    valid = (docs_bk >= 0)[:, :, None] & (c[None, None, :] < doc_chunks[d][:, :, None])
+    index = jnp.where(valid, doc_start[d][:, :, None] + c, 0).reshape(batch, k * max_chunks)
+    mem_k = bank_k[index].swapaxes(1, 2)  # [B,M,K,Dh] -> head-major
+    mem_v = bank_v[index].swapaxes(1, 2)
+    valid = valid.reshape(batch, k * max_chunks)
+    zero = jnp.zeros((), mem_k.dtype)
+    return (jnp.where(valid[:, None, :, None], mem_k, zero),
+            jnp.where(valid[:, None, :, None], mem_v, zero), valid)

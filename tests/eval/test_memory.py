@@ -1,0 +1,47 @@
+"""The memory-bank CLI (python -m aiinfra_jax.eval.memory) end to end on a 2-step MSA run: build
+from a .jsonl collection, query, refuse a document over the limit, and the NIAH-over-bank mode at
+two tiny sizes (the second reached by an append)."""
+
+from __future__ import annotations
+
+import json
+
+from helpers import tiny
+
+from aiinfra_jax.eval import memory
+
+
+def test_memory_cli_build_query_niah(tmp_path, capsys):
+    from aiinfra_jax.train import train
+
+    train(tiny(tmp_path, "model.mixers=msa", "model.msa.chunk=8", "model.msa.top_k=2",
+               "run.steps=2", "run.name=msa"))
+    run = str(tmp_path / "msa")
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"id": f"doc{j}", "text": text}) + "\n" for j, text in
+                            enumerate(["The cat sat on the mat.", "golden-harbor is 1234567.",
+                                       "Rain falls in the plain."])))
+    bank = str(tmp_path / "bank")
+    assert memory.main(["build", "--checkpoint", run, "--docs", str(docs), "--out", bank]) == 0
+    assert "3 documents" in capsys.readouterr().out
+    assert memory.main(["query", "--checkpoint", run, "--bank", bank, "--prompt",
+                        "golden-harbor is ", "--max-new-tokens", "3"]) == 0
+    err = capsys.readouterr().err
+    assert "layer 1 read documents: ['doc" in err
+    assert memory.main(["build", "--checkpoint", run, "--docs", str(docs), "--out",
+                        str(tmp_path / "b2"), "--max-doc-length", "8"]) == 2
+    assert "max_doc_length=8" in capsys.readouterr().err
+    assert memory.main(["build", "--checkpoint", run, "--docs", str(docs), "--out", bank]) == 2
+    assert "already holds a memory bank" in capsys.readouterr().err
+
+    out = tmp_path / "niah"
+    assert memory.main(["niah", "--checkpoint", run, "--sizes", "1k,2k", "--queries", "4",
+                        "--batch", "4", "--out-dir", str(out)]) == 0
+    assert "| 2k |" in capsys.readouterr().out
+    result = json.loads((out / "memory_niah.json").read_text())
+    small, large = result["rows"]
+    assert small["tokens"] >= 1024 and large["tokens"] >= 2048
+    assert large["documents"] > small["documents"]
+    for row in result["rows"]:
+        assert 0 <= row["exact_match"] <= 1 and set(row["recall_topk"]) == {"1"}
+        assert row["prefill_s"] > 0 and row["decode_s_per_token"] > 0
