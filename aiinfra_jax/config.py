@@ -61,6 +61,15 @@ class OptimConfig:
     weight_decay: float = 0.1  # applied to matrices only: never to norms, biases or scalars
     grad_clip: float = 1.0  # global-norm clipping; 0 = off
     grad_accum: int = 1  # micro-batches per optimizer step (the global batch is split evenly)
+    # The objective: lm_weight * mean token NLL + aux_weight * the model's auxiliary losses (each
+    # already weighted by its component's own setting, e.g. model.msa.routing_loss_weight).
+    # loss_stages: ((start_step, lm_weight, aux_weight), ...), increasing start steps > 0: from
+    # the step after start_step (state step >= start_step, as data.stages) those weights replace
+    # the previous ones. MSA's paper schedule, a warm-up on the routing loss then the LM:
+    # lm_weight=0.1, aux_weight=1.0, loss_stages=((400, 1.0, 0.1),) with routing_loss_weight=1.
+    lm_weight: float = 1.0
+    aux_weight: float = 1.0
+    loss_stages: tuple[tuple[int, float, float], ...] = ()
 
     def __post_init__(self):
         # inf / nan pass the comparisons below (or fail them with a misleading reason); refuse them
@@ -88,6 +97,28 @@ class OptimConfig:
         _check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must be >= 0")
         _check(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, "must be >= 0 (0 = off)")
         _check(self.grad_accum >= 1, "optim.grad_accum", self.grad_accum, "must be >= 1")
+        if isinstance(self.loss_stages, list):
+            object.__setattr__(self, "loss_stages", tuple(tuple(st) for st in self.loss_stages))
+        previous = 0
+        for i, (lm, aux) in enumerate([(self.lm_weight, self.aux_weight)]
+                                      + [st[1:] for st in self.loss_stages
+                                         if isinstance(st, tuple) and len(st) == 3]):
+            _check(all(isinstance(w, (int, float)) and not isinstance(w, bool)
+                       and math.isfinite(w) and w >= 0 for w in (lm, aux)) and lm + aux > 0,
+                   "optim.lm_weight/aux_weight" if i == 0 else f"optim.loss_stages[{i - 1}]",
+                   (lm, aux), "weights must be finite numbers >= 0, not both 0")
+        for i, st in enumerate(self.loss_stages):
+            ok = (isinstance(st, tuple) and len(st) == 3 and isinstance(st[0], int)
+                  and not isinstance(st[0], bool) and st[0] > previous)
+            _check(ok, f"optim.loss_stages[{i}]", st,
+                   "must be (start_step, lm_weight, aux_weight) with start steps > 0 and "
+                   f"increasing (the previous starts at {previous}), e.g. (400, 1.0, 0.1)")
+            previous = st[0]
+
+    def loss_schedule(self) -> tuple[tuple[int, float, float], ...]:
+        """((0, lm_weight, aux_weight),) + loss_stages: every stage of the objective's weights."""
+        return ((0, float(self.lm_weight), float(self.aux_weight)),) + tuple(
+            (int(s), float(lm), float(aux)) for s, lm, aux in self.loss_stages)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -150,19 +150,32 @@ def aux_metrics(aux) -> dict[str, jax.Array]:
     return out
 
 
-def make_train_step(graphdef, abstract_params, rest, optimizer, grad_accum: int, seed: int = 0):
+def loss_weights(schedule: tuple[tuple[int, float, float], ...], step: jax.Array
+                 ) -> tuple[jax.Array, jax.Array]:
+    """(lm_weight, aux_weight) at state step `step` of OptimConfig.loss_schedule()."""
+    starts = jnp.asarray([s for s, _, _ in schedule], jnp.int32)
+    table = jnp.asarray([[lm, aux] for _, lm, aux in schedule], jnp.float32)
+    row = table[jnp.sum(step >= starts) - 1]
+    return row[0], row[1]
+
+
+def make_train_step(graphdef, abstract_params, rest, optimizer, grad_accum: int, seed: int = 0,
+                    loss_schedule: tuple[tuple[int, float, float], ...] = ((0, 1.0, 1.0),)):
     """train_step(state, batch) -> (state, metrics); pure, to be jitted with the state donated.
-    seed: the base of the per-step randomness handed to the model (nnx.Rngs)."""
+    seed: the base of the per-step randomness handed to the model (nnx.Rngs). loss_schedule:
+    OptimConfig.loss_schedule(), the weights of the NLL and the auxiliary losses by step (the
+    logged "loss" stays the plain NLL)."""
     has_model_state = bool(jax.tree.leaves(rest))
 
-    def micro_loss(params, mb, model_state, key):
+    def micro_loss(params, mb, model_state, key, weights):
         model = merge_model(graphdef, abstract_params, rest, params, model_state)
         nll_sum, aux_loss, stats, aux = loss_and_stats(model, mb, rngs=nnx.Rngs(key))
         new_model_state = model_state_of(model) if has_model_state else {}
         # Weighted by tokens: the objective is total NLL / total weight over the whole batch; the
         # caller divides by the weight summed over micro-batches.
-        return nll_sum + aux_loss * stats["weight_sum"], (stats, aux_metrics(aux),
-                                                          new_model_state)
+        lm_w, aux_w = weights
+        return lm_w * nll_sum + aux_w * aux_loss * stats["weight_sum"], (
+            stats, aux_metrics(aux), new_model_state)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
@@ -170,8 +183,10 @@ def make_train_step(graphdef, abstract_params, rest, optimizer, grad_accum: int,
         params = state["params"]
         model_state = state.get("model_state", {})
         key = jax.random.fold_in(jax.random.key(seed), state["step"])
+        weights = loss_weights(loss_schedule, state["step"])
         if grad_accum == 1:
-            (_, (stats, aux, new_model_state)), grads = grad_fn(params, batch, model_state, key)
+            (_, (stats, aux, new_model_state)), grads = grad_fn(params, batch, model_state, key,
+                                                                weights)
         else:
             micro = jax.tree.map(
                 lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)
@@ -179,13 +194,13 @@ def make_train_step(graphdef, abstract_params, rest, optimizer, grad_accum: int,
             def body(carry, xs):
                 g_acc, s_acc, ms = carry
                 mb, i = xs
-                (_, (s, a, ms)), g = grad_fn(params, mb, ms, jax.random.fold_in(key, i))
+                (_, (s, a, ms)), g = grad_fn(params, mb, ms, jax.random.fold_in(key, i), weights)
                 return (jax.tree.map(jnp.add, g_acc, g),
                         jax.tree.map(jnp.add, s_acc, s), ms), a
 
             zeros_g = jax.tree.map(jnp.zeros_like, params)
             _, (stats0, _, _) = jax.eval_shape(lambda: micro_loss(
-                params, jax.tree.map(lambda x: x[0], micro), model_state, key))
+                params, jax.tree.map(lambda x: x[0], micro), model_state, key, weights))
             zeros_s = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats0)
             (grads, stats, new_model_state), aux = jax.lax.scan(
                 body, (zeros_g, zeros_s, model_state), (micro, jnp.arange(grad_accum)))

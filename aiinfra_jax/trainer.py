@@ -124,7 +124,8 @@ class Trainer:
         the state's shardings and traced under the mesh's activation rules."""
         train_step = make_train_step(self.graphdef, self.abstract_params, self.rest,
                                      self.optimizer, self.cfg.optim.grad_accum,
-                                     seed=self.cfg.run.seed)
+                                     seed=self.cfg.run.seed,
+                                     loss_schedule=self.cfg.optim.loss_schedule())
         eval_step = make_eval_step(self.graphdef, self.abstract_params, self.rest,
                                    self.cfg.eval.position_buckets)
         batch_sh = {k: self.batch_sharding for k in BATCH_KEYS}

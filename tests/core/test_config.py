@@ -84,6 +84,12 @@ def test_inconsistent_combinations_fail_before_compiling():
         apply_overrides(Config(), ["model.mixers=nonexistent"])
     with pytest.raises(ValueError, match="optim.schedule.*cosine"):
         apply_overrides(Config(), ["optim.schedule=triangle"])
+    with pytest.raises(ValueError, match=r"optim.loss_stages\[1\].*increasing"):
+        apply_overrides(Config(), ["optim.loss_stages=[[400,1.0,0.1],[300,1.0,1.0]]"])
+    with pytest.raises(ValueError, match="optim.lm_weight/aux_weight.*not both 0"):
+        apply_overrides(Config(), ["optim.lm_weight=0", "optim.aux_weight=0"])
+    staged = apply_overrides(Config(), ["optim.lm_weight=0.1", "optim.loss_stages=[[400,1,0.1]]"])
+    assert staged.optim.loss_schedule() == ((0, 0.1, 1.0), (400, 1.0, 0.1))
 
 
 def test_yaml_preset(tmp_path):

@@ -148,14 +148,15 @@ def test_train_step_adds_the_weighted_loss_and_carries_model_state():
     batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, 1), "positions": pos,
              "segment_ids": seg, "loss_weights": (seg != 0).astype(jnp.float32)}
 
-    def one_step(weight):
+    def one_step(weight, schedule=((0, 1.0, 1.0),), at_step=0):
         cfg = _cfg(test_router=RouterTestConfig(loss_weight=weight))
         graphdef, abstract_params, rest = steps.abstract_model(cfg)
         opt = steps.make_optimizer(OptimConfig(), 10, steps.weight_decay_mask(abstract_params))
         params, model_state = steps.init_variables(Transformer(cfg, rngs=nnx.Rngs(0)))
-        state = {"params": params, "opt_state": opt.init(params), "step": jnp.int32(0),
+        state = {"params": params, "opt_state": opt.init(params), "step": jnp.int32(at_step),
                  "bad_step": jnp.int32(0), "model_state": model_state}
-        step = jax.jit(steps.make_train_step(graphdef, abstract_params, rest, opt, 1))
+        step = jax.jit(steps.make_train_step(graphdef, abstract_params, rest, opt, 1,
+                                             loss_schedule=schedule))
         return state, *step(state, batch)
 
     before, after, metrics = one_step(0.1)
@@ -163,6 +164,18 @@ def test_train_step_adds_the_weighted_loss_and_carries_model_state():
     assert float(metrics["loss"]) == float(metrics0["loss"])  # the LM loss alone
     assert float(metrics["aux_loss"]) > 0 and float(metrics0["aux_loss"]) == 0
     assert float(metrics["grad_norm"]) != float(metrics0["grad_norm"])
+    # Loss stages (OptimConfig.loss_stages): the objective's weights by step. Gradients are
+    # linear in them: LM x 2 from step 3 doubles the LM-only gradient there, and aux x 0 at step
+    # 3 of (1, 1) -> (1, 0) is the LM alone.
+    # (Compared at the same step: the step seeds the router's noise.)
+    staged = ((0, 1.0, 1.0), (3, 2.0, 0.0))
+    lm_only = float(one_step(0.0, at_step=3)[2]["grad_norm"])
+    np.testing.assert_allclose(float(one_step(0.0, staged, at_step=3)[2]["grad_norm"]),
+                               2 * lm_only, rtol=1e-5)
+    np.testing.assert_allclose(float(one_step(0.1, ((0, 1.0, 1.0), (3, 1.0, 0.0)), 3)[2]
+                                     ["grad_norm"]), lm_only, rtol=1e-5)
+    np.testing.assert_allclose(float(one_step(0.1, staged, at_step=2)[2]["grad_norm"]),
+                               float(one_step(0.1, at_step=2)[2]["grad_norm"]), rtol=1e-6)
     assert {"aux_loss/ffn/balance", "aux/ffn/max_load", "aux/ffn/max_load/layer_3"} <= set(metrics)
     bias_before = before["model_state"]["blocks"]["layers"][1]["ffn"]["bias"]
     bias_after = after["model_state"]["blocks"]["layers"][1]["ffn"]["bias"]
