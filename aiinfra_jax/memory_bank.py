@@ -3,7 +3,7 @@ answer queries by routing over them.
 
     bank = build_bank(model, docs, "banks/wiki")                 # encode + write (or append)
     bank = MemoryBank.open("banks/wiki", model=model)            # checks it belongs to the model
-    result = generate_from_bank(model, bank, prompts, max_new_tokens=16)
+    result = generate_from_bank(model, bank.to_device(), prompts, max_new_tokens=16)
 
 Encoding: each document is encoded independently (documents are packed into rows, but an MSA row
 without a query is causal attention within each document, and every document's positions restart
@@ -52,12 +52,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from aiinfra_jax import sharding as shd
 from aiinfra_jax.checksums import crc32, json_crc32
 from aiinfra_jax.checkpoint import config_differences
 from aiinfra_jax.config import runtime_keys, to_dict
 from aiinfra_jax.generate import GenerateResult, decode_loop, inference_model
 from aiinfra_jax.models.attention.msa import routing_layer_indices
-from aiinfra_jax.models.attention.msa_routing import BANK_TILE
+from aiinfra_jax.models.attention.msa_routing import bank_chunk_padding
 from aiinfra_jax.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -384,23 +385,36 @@ class MemoryBank:
                              longest_doc=max(m["longest_doc"], longest), appending=False)
         _write_manifest(self.path, self.manifest)
 
-    def to_device(self) -> dict[str, Any]:
+    def to_device(self, mesh: jax.sharding.Mesh | None = None) -> dict[str, Any]:
         """The bank as device arrays for attach_bank: {"layers": {i: {route_k, k, v [Cp,K,Dh]}},
-        "chunk_doc" [Cp], "doc_start", "doc_chunks" [N]}, chunks padded to a multiple of the
-        scoring tile (padding belongs to document N: never scored, never gathered)."""
+        "chunk_doc" [Cp], "doc_start", "doc_chunks" [N], "max_doc_chunks"}, chunks padded
+        (msa_routing.bank_chunk_padding; the padding belongs to document N: never scored, never
+        gathered). With a mesh the chunk arrays are split over its axes > 1, so that each device
+        scores its own share (msa_routing.bank_document_scores); query under that mesh
+        (bank_prefill's mesh)."""
         if self.n_docs == 0:
             raise BankError(f"memory bank {self.path} is empty; append documents first")
+        axes, devices = (), 1
+        if mesh is not None:
+            axes = tuple(a for a, n in mesh.shape.items() if n > 1)
+            devices = int(np.prod([mesh.shape[a] for a in axes]))
         doc_chunks = np.asarray(self.array("doc_chunks"))
         total = self.n_chunks
-        tile = min(BANK_TILE, total)
-        padded = -(-total // tile) * tile
+        padded = bank_chunk_padding(total, devices)
         chunk_doc = np.full(padded, self.n_docs, np.int32)
         chunk_doc[:total] = np.repeat(np.arange(self.n_docs, dtype=np.int32), doc_chunks)
+
+        def put(a):
+            if devices == 1:
+                return jnp.asarray(a)
+            spec = jax.sharding.PartitionSpec(axes, *([None] * (a.ndim - 1)))
+            return jax.device_put(a, jax.sharding.NamedSharding(mesh, spec))
+
         pad = ((0, padded - total), (0, 0), (0, 0))
-        layers = {i: {name: jnp.asarray(np.pad(self.array(f"layer_{i}.{name}"), pad))
+        layers = {i: {name: put(np.pad(self.array(f"layer_{i}.{name}"), pad))
                       for name in ARRAYS} for i in self.layers}
         start = np.concatenate([[0], np.cumsum(doc_chunks)[:-1]]).astype(np.int32)
-        return {"layers": layers, "chunk_doc": jnp.asarray(chunk_doc),
+        return {"layers": layers, "chunk_doc": put(chunk_doc),
                 "doc_start": jnp.asarray(start), "doc_chunks": jnp.asarray(doc_chunks),
                 "max_doc_chunks": self.max_doc_chunks}
 
@@ -472,16 +486,21 @@ def _bank_prefill(graphdef, state, arrays, tokens_bt, lengths_b, max_len: int,
 
 
 def bank_prefill(model: nnx.Module, device_bank: dict[str, Any], tokens: np.ndarray,
-                 lengths: np.ndarray, max_len: int) -> tuple[jax.Array, tuple]:
+                 lengths: np.ndarray, max_len: int, mesh: jax.sharding.Mesh | None = None
+                 ) -> tuple[jax.Array, tuple]:
     """Right-padded query prompts tokens [B,T] (true lengths [B]) routed over the bank and
     prefilled in one call: (logits [B,V] at each prompt's last token, cache with room for max_len
     query tokens; cache_documents reads what each routing layer chose). The prompt is all router
-    input: positions from msa.resolved_query_offset, segment id -1."""
+    input: positions from msa.resolved_query_offset, segment id -1. mesh: trace under it, so the
+    bank's chunks are scored split over its devices (MemoryBank.to_device(mesh))."""
     graphdef, state = nnx.split(model)
     arrays = {k: v for k, v in device_bank.items() if k != "max_doc_chunks"}
-    return _bank_prefill(graphdef, state, arrays, jnp.asarray(tokens, jnp.int32),
-                         jnp.asarray(lengths, jnp.int32), int(max_len),
-                         int(device_bank["max_doc_chunks"]))
+    args = (graphdef, state, arrays, jnp.asarray(tokens, jnp.int32),
+            jnp.asarray(lengths, jnp.int32), int(max_len), int(device_bank["max_doc_chunks"]))
+    if mesh is None:
+        return _bank_prefill(*args)
+    with shd.activation_rules(mesh):
+        return _bank_prefill(*args)
 
 
 def cache_documents(model: nnx.Module, cache: tuple) -> dict[int, np.ndarray]:
@@ -502,9 +521,10 @@ class BankAnswer:
 
 def generate_from_bank(model: nnx.Module, device_bank: dict[str, Any],
                        prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-                       eos_id: int | None = None, pad_id: int = 0) -> BankAnswer:
+                       eos_id: int | None = None, pad_id: int = 0,
+                       mesh: jax.sharding.Mesh | None = None) -> BankAnswer:
     """Greedy answers to token prompts over the bank (bank_prefill, then the compiled decode loop
-    of aiinfra_jax.generate)."""
+    of aiinfra_jax.generate); mesh: as bank_prefill's."""
     if not prompts or min(len(p) for p in prompts) < 1:
         raise ValueError("generate_from_bank: give at least one non-empty prompt")
     lengths = np.asarray([len(p) for p in prompts], np.int32)
@@ -517,7 +537,7 @@ def generate_from_bank(model: nnx.Module, device_bank: dict[str, Any],
         raise ValueError(f"generate_from_bank: query offset {cfg.msa.resolved_query_offset} + "
                          f"prompt {tokens.shape[1]} + max_new_tokens {max_new_tokens} exceeds "
                          f"max_seq_len={cfg.max_seq_len}")
-    logits, cache = bank_prefill(model, device_bank, tokens, lengths, max_len)
+    logits, cache = bank_prefill(model, device_bank, tokens, lengths, max_len, mesh=mesh)
     documents = cache_documents(model, cache)
     graphdef, state = nnx.split(model)
     lengths_j = jnp.asarray(lengths)

@@ -116,7 +116,7 @@ from jax.sharding import PartitionSpec as P
 from .auxiliary import record, report_loss, report_metric
 from .config import ModelConfig, runtime_field
 from .layers import SwiGLU, make_param, out_proj_std
-from .partitioning import mesh_axis_sizes
+from .partitioning import mesh_axis_sizes, shard_map_over
 from .registry import register_config, register_ffn
 
 ROUTERS = ("softmax", "sigmoid")
@@ -392,16 +392,6 @@ def expert_parallel_mesh(num_experts: int, field: str = "model.moe.num_experts")
     return mesh
 
 
-def _shard_map(fn, mesh, in_specs, out_specs):
-    axis_names = frozenset(mesh_axis_sizes(mesh))
-    if hasattr(jax, "shard_map"):
-        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                             axis_names=axis_names)
-    from jax.experimental.shard_map import shard_map  # pragma: no cover - JAX < 0.7
-    return shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                     auto=frozenset(mesh.axis_names) - axis_names)
-
-
 def expert_parallel_map(body, mesh, tokens: list[tuple[jax.Array, object]],
                         weights: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
     """(y [N,D], processed [E]): `body(*token_shards, *weight_shards) -> (y [n_loc,D], counts
@@ -426,7 +416,7 @@ def expert_parallel_map(body, mesh, tokens: list[tuple[jax.Array, object]],
 
     specs = tuple(P(axes, *([None] * (a.ndim - 1))) for a in args) + tuple(
         P(EXPERT_AXIS, *([None] * (w.ndim - 1))) for w in weights)
-    y, processed = _shard_map(wrapped, mesh, specs, (P(axes, None), P(EXPERT_AXIS)))(*args,
+    y, processed = shard_map_over(wrapped, mesh, specs, (P(axes, None), P(EXPERT_AXIS)))(*args,
                                                                                        *weights)
     return y[:n], processed
 

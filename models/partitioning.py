@@ -106,3 +106,17 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None], rules: Rules | N
     if mesh.are_all_axes_explicit:
         return jax.sharding.reshard(x, spec)
     return jax.lax.with_sharding_constraint(x, spec)
+
+
+def shard_map_over(fn, mesh, in_specs, out_specs, check: bool = True):
+    """jax.shard_map of fn over every non-manual axis of mesh (the others stay automatic), on
+    the JAX releases this project supports (jax.experimental's form before 0.7). check=False
+    turns off the varying-axes check (check_vma), for bodies whose scan carries start replicated
+    and become per-device (the outputs are then made replicated by a collective)."""
+    axis_names = frozenset(mesh_axis_sizes(mesh))
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                             axis_names=axis_names, check_vma=check)
+    from jax.experimental.shard_map import shard_map  # pragma: no cover - JAX < 0.7
+    return shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check,
+                     auto=frozenset(mesh.axis_names) - axis_names)

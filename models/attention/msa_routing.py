@@ -16,10 +16,14 @@ jax.lax.top_k documents the same rule).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from ..partitioning import mesh_axis_sizes, shard_map_over
 
 ANSWER_BIT = 1 << 30  # set in a document's segment id: the document holds the answer
 BANK_TILE = 4096  # bank chunks scored per step of the tiled scan ([B,T,H,tile] floats live)
@@ -214,18 +218,34 @@ def recall_at(ranks_bn: jax.Array, positive_bn: jax.Array, n_docs_b: jax.Array, 
 
 # The memory bank's forms ------------------------------------------------------------------------
 
-def bank_document_scores(q_route: jax.Array, reads: jax.Array, route_k: jax.Array,
-                         chunk_doc: jax.Array, n_docs: int, cfg: Any) -> jax.Array:
-    """Scores [B,N] of a bank's N documents (-inf in rows without router-read tokens): routing
-    queries [B,T,H,Dh], reads [B,T], the bank's pooled routing keys route_k [Cp,K,Dh] with their
-    documents chunk_doc [Cp] (N for padding). A scan over tiles of min(BANK_TILE, Cp) chunks, so
-    memory stays [B,T,H,tile] whatever the bank's size (Cp must be a multiple of the tile)."""
-    batch = q_route.shape[0]
+def bank_axes() -> tuple[tuple[str, ...], int]:
+    """(mesh axes, devices) a bank's chunks split over: every non-manual axis > 1 of the mesh in
+    context (jax.sharding.get_abstract_mesh); ((), 1) without one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or getattr(mesh, "empty", False) or not mesh.axis_names:
+        return (), 1
+    sizes = mesh_axis_sizes(mesh)
+    axes = tuple(a for a, n in sizes.items() if n > 1)
+    return axes, math.prod(sizes[a] for a in axes)
+
+
+def bank_chunk_padding(total: int, devices: int = 1) -> int:
+    """Chunks a bank of `total` is padded to: every device's share a multiple of its scoring
+    tile (min(BANK_TILE, share))."""
+    share = -(-total // devices)
+    if share > BANK_TILE:
+        share = -(-share // BANK_TILE) * BANK_TILE
+    return share * devices
+
+
+def _scan_bank(q_route, reads, route_k, chunk_doc, n_docs: int, cfg: Any):
+    """The running (value, count) [B,N+1] of a scan over tiles of min(BANK_TILE, Cp) chunks."""
     total = route_k.shape[0]
     tile = min(BANK_TILE, total)
     if total % tile:
-        raise ValueError(f"bank_document_scores: {total} bank chunks is not a multiple of the "
-                         f"scoring tile {tile}; pad the bank (memory_bank.device_bank does)")
+        raise ValueError(f"bank_document_scores: {total} bank chunks (per device) is not a "
+                         f"multiple of the scoring tile {tile}; pad the bank with "
+                         "bank_chunk_padding (MemoryBank.to_device does)")
     keys = route_k.reshape((total // tile, tile) + route_k.shape[1:])
     docs = chunk_doc.reshape(total // tile, tile)
 
@@ -235,8 +255,36 @@ def bank_document_scores(q_route: jax.Array, reads: jax.Array, route_k: jax.Arra
         d_bc = jnp.broadcast_to(d_tile[None], s_bc.shape)
         return accumulate_document_scores(acc, s_bc, d_bc, cfg.chunk_reduce), None
 
-    acc, _ = jax.lax.scan(body, init_document_scores(batch, n_docs, cfg.chunk_reduce),
+    acc, _ = jax.lax.scan(body, init_document_scores(q_route.shape[0], n_docs, cfg.chunk_reduce),
                           (keys, docs))
+    return acc
+
+
+def bank_document_scores(q_route: jax.Array, reads: jax.Array, route_k: jax.Array,
+                         chunk_doc: jax.Array, n_docs: int, cfg: Any) -> jax.Array:
+    """Scores [B,N] of a bank's N documents (-inf in rows without router-read tokens): routing
+    queries [B,T,H,Dh], reads [B,T], the bank's pooled routing keys route_k [Cp,K,Dh] with their
+    documents chunk_doc [Cp] (N for padding). A scan over tiles of chunks, so memory stays
+    [B,T,H,tile] whatever the bank's size. Under a mesh (bank_axes) whose device count divides
+    Cp, each device scans its own share of the chunks (a shard_map; the bank arrays are best
+    placed split over those axes already, as MemoryBank.to_device(mesh) does) and the partial
+    document scores are combined (max: pmax; mean: psum of sums and counts); the result is the
+    same as on one device."""
+    axes, devices = bank_axes()
+    if devices > 1 and route_k.shape[0] % devices == 0:
+        mesh = jax.sharding.get_abstract_mesh()
+
+        def local(q, r, k_loc, d_loc):
+            value, count = _scan_bank(q, r, k_loc, d_loc, n_docs, cfg)
+            value = (jax.lax.pmax(value, axes) if cfg.chunk_reduce == "max"
+                     else jax.lax.psum(value, axes))
+            return value, jax.lax.psum(count, axes)
+
+        split = P(axes)
+        acc = shard_map_over(local, mesh, (P(), P(), split, split), (P(), P()), check=False)(
+            q_route, reads, route_k, chunk_doc)
+    else:
+        acc = _scan_bank(q_route, reads, route_k, chunk_doc, n_docs, cfg)
     scores = finish_document_scores(acc, cfg.chunk_reduce)
     return jnp.where(jnp.any(reads, axis=1)[:, None], scores, -jnp.inf)
 

@@ -188,3 +188,34 @@ def test_bad_banks_and_documents_are_refused(tmp_path):
         mb.MemoryBank.open(tmp_path / "bank")
     with pytest.raises(mb.BankError, match="not a memory bank"):
         mb.MemoryBank.open(tmp_path)
+
+
+def test_sharded_bank_scoring_equals_one_device(tmp_path):
+    """The bank's chunks split over 8 devices (data 2 x fsdp 2 x tensor 2): every device scores
+    its share in a shard_map and the partial scores are combined; the prefill's logits and chosen
+    documents equal the single-device ones, and the compiled program holds the combining
+    all-reduce."""
+    from aiinfra_jax import sharding as shd
+    from aiinfra_jax.config import MeshConfig
+
+    model = _model()
+    bank = mb.build_bank(model, _docs(seed=5, lengths=[6, 9, 3, 5, 7, 11, 4, 8, 2, 10]),
+                         tmp_path / "bank", max_doc_length=16)
+    mesh = shd.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    tokens = np.asarray([[5, 9, 2, 11, 7], [3, 8, 1, 0, 0]], np.int32)
+    lengths = np.asarray([5, 3], np.int32)
+    one = mb.bank_prefill(model, bank.to_device(), tokens, lengths, 12)
+    sharded_bank = bank.to_device(mesh)
+    assert sharded_bank["layers"][1]["route_k"].shape[0] % 8 == 0
+    assert len(sharded_bank["layers"][1]["route_k"].sharding.device_set) == 8
+    many = mb.bank_prefill(model, sharded_bank, tokens, lengths, 12, mesh=mesh)
+    np.testing.assert_allclose(np.asarray(many[0]), np.asarray(one[0]), rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(mb.cache_documents(model, many[1])[1],
+                                  mb.cache_documents(model, one[1])[1])
+    graphdef, state = nnx.split(model)
+    arrays = {k: v for k, v in sharded_bank.items() if k != "max_doc_chunks"}
+    with shd.activation_rules(mesh):
+        hlo = mb._bank_prefill.lower(graphdef, state, arrays, jnp.asarray(tokens),
+                                     jnp.asarray(lengths), 12,
+                                     sharded_bank["max_doc_chunks"]).compile().as_text()
+    assert "all-reduce" in hlo
