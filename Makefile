@@ -9,7 +9,7 @@ CONFIG ?= configs/nsa_tiny.py
 ARGS   ?=
 
 .PHONY: train test install install-dev bench-train bench-kernels bench-nsa bench-attnres bench-moe \
-	bench-moe-quality bench-recurrent bench-generate bench-leapquant bench-gpu bench-surgery profile-step clean-venv
+	bench-moe-quality bench-recurrent bench-memory bench-generate bench-leapquant bench-gpu bench-surgery profile-step clean-venv
 
 $(VENV)/.stamp-base: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -64,6 +64,12 @@ bench-moe-quality: $(VENV)/.stamp-base
 # 80 minutes; finished runs are read, not retrained), loss curves, loss past the training length.
 bench-recurrent: $(VENV)/.stamp-base
 	$(PY) -m aiinfra_jax.eval.bench_recurrent $(ARGS)
+
+# MSA: NIAH over a memory bank grown by appends to 32K, 128K and 1M tokens (exact match, router
+# recall, encoding tokens/s, prefill / decode time, bytes per memory token); needs a trained MSA run:
+#   make bench-memory ARGS="--checkpoint runs/msa_tiny --out-dir eval_runs/msa_niah"
+bench-memory: $(VENV)/.stamp-base
+	$(PY) -m aiinfra_jax.eval.memory niah $(ARGS)
 
 # Prefill and decode tokens/s of generate (tiny dense, NSA and AttnRes presets, 1K/4K context,
 # batch 1/8), beside the bytes one decode step moves.

@@ -18,7 +18,8 @@ Formats:
                and tokenizer_config.json that `transformers.AutoModelForCausalLM` and
                `AutoTokenizer` load (the layout and the mapping: aiinfra_jax/hf.py). Any other
                model is refused, naming the parts Llama cannot express.
-  stablehlo    every model with a decoding cache (NSA, Gated DeltaNet / KDA, dense; not MSA yet):
+  stablehlo    every model with a decoding cache (NSA, Gated DeltaNet / KDA, dense; not MSA,
+               whose decoding reads a memory bank):
                the safetensors files, config.json and tokenizer as above, plus jax.export
                artifacts of the prefill and the decode step per platform (cpu, cuda, tpu; the
                accelerators' with their Pallas kernels), stablehlo.json (signature, shapes, cache

@@ -57,8 +57,10 @@ Symbolic and fixed dimensions (measured on jax 0.10.2; the manifest records what
     gets buckets today. Padding a prompt up to its bucket changes nothing: the padding is
     masked (segment id 0) and never enters the cache.
 
-Limits: greedy / sampling happens in the runner, not in the artifacts; MSA has no decoding cache
-yet and is refused; one device per artifact (no mesh).
+Limits: greedy / sampling happens in the runner, not in the artifacts; MSA is refused (its
+decoding reads a memory bank that a routing prefill gathers, aiinfra_jax/memory_bank.py; an
+artifact without the bank would silently answer from the prompt alone); one device per artifact
+(no mesh).
 """
 
 from __future__ import annotations
@@ -263,6 +265,11 @@ def write_stablehlo(loaded: LoadedModel, tmp: Path, *, platforms: Sequence[str] 
     {"stablehlo": {...}} for export.json."""
     tmp = Path(tmp)
     cfg = loaded.config.model
+    if "msa" in cfg.mixers:
+        raise ExportError(f"the model cannot be exported as stablehlo: its MSA layers "
+                          f"(mixers={cfg.mixers}) decode from a memory bank, which the artifacts "
+                          "do not carry; export --format safetensors and query with "
+                          "python -m aiinfra_jax.eval.memory")
     platforms = list(dict.fromkeys(platforms))
     bad = [p for p in platforms if p not in PLATFORMS]
     if bad or not platforms:

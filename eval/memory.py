@@ -126,16 +126,18 @@ def _time(fn, repeats: int = 3) -> float:
 
 
 def evaluate_size(model, tokenizer, bank: mb.MemoryBank, needles, *, batch: int,
-                  max_new_tokens: int) -> dict[str, Any]:
-    """Exact match, routing recall and timings of the bank as it is (module docstring)."""
-    device_bank = bank.to_device()
+                  max_new_tokens: int, mesh=None) -> dict[str, Any]:
+    """Exact match, routing recall and timings of the bank as it is (module docstring); mesh:
+    the model's (the bank's chunks are scored split over its devices)."""
+    device_bank = bank.to_device(mesh)
     prompts = [[tokenizer.bos_id] + hs.encode(tokenizer, query_prompt(key)).tolist()
                for _, key, _ in needles]
     right, found = 0, {}
     for first in range(0, len(prompts), batch):
         part = needles[first:first + batch]
         ans = mb.generate_from_bank(model, device_bank, prompts[first:first + batch],
-                                    max_new_tokens=max_new_tokens, eos_id=tokenizer.eos_id)
+                                    max_new_tokens=max_new_tokens, eos_id=tokenizer.eos_id,
+                                    mesh=mesh)
         toks, lens = np.asarray(ans.result.tokens), np.asarray(ans.result.lengths)
         for b, (doc, _, value) in enumerate(part):
             right += _answer_text(tokenizer, toks[b], lens[b]) == value
@@ -144,9 +146,9 @@ def evaluate_size(model, tokenizer, bank: mb.MemoryBank, needles, *, batch: int,
     # One query: the prefill (routing over every chunk) and the decode steps, timed apart.
     one = np.asarray([prompts[0]], np.int32)
     length = np.asarray([one.shape[1]], np.int32)
-    logits, cache = mb.bank_prefill(model, device_bank, one, length, one.shape[1] + 16)
+    logits, cache = mb.bank_prefill(model, device_bank, one, length, one.shape[1] + 16, mesh)
     prefill_s = _time(lambda: mb.bank_prefill(model, device_bank, one, length,
-                                              one.shape[1] + 16)[0])
+                                              one.shape[1] + 16, mesh)[0])
     graphdef, state = nnx.split(model)
     pos = jnp.asarray(length + model.cfg.msa.resolved_query_offset)
 
@@ -184,7 +186,7 @@ def run_niah(checkpoint: str, sizes: list[int], out_dir: Path, *, queries: int, 
                              max_doc_length=limit, row_len=max(256, limit), progress=True)
         enc_s = time.perf_counter() - t0
         row = evaluate_size(model, tok, bank, col["needles"], batch=batch,
-                            max_new_tokens=max_new_tokens)
+                            max_new_tokens=max_new_tokens, mesh=loaded.mesh)
         row.update(size=format_length(size),
                    encode_tokens_per_s=sum(d.size for d in part) / enc_s)
         rows.append(row)
@@ -257,8 +259,9 @@ def main(argv=None) -> int:
             tok = loaded.tokenizer
             bank = mb.MemoryBank.open(args.bank, model=loaded.model)
             prompt = [tok.bos_id] + list(tok.encode(args.prompt))
-            ans = mb.generate_from_bank(loaded.model, bank.to_device(), [prompt],
-                                        max_new_tokens=args.max_new_tokens, eos_id=tok.eos_id)
+            ans = mb.generate_from_bank(loaded.model, bank.to_device(loaded.mesh), [prompt],
+                                        max_new_tokens=args.max_new_tokens, eos_id=tok.eos_id,
+                                        mesh=loaded.mesh)
             ids = bank.doc_ids()
             print(_answer_text(tok, np.asarray(ans.result.tokens)[0],
                                int(ans.result.lengths[0])))

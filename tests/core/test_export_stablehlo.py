@@ -169,6 +169,10 @@ def test_clear_errors(exported, tmp_path, capsys):
         es.write_stablehlo(loaded, out, platforms=("metal",))
     with pytest.raises(ExportError, match="max_len=128: must be in"):
         es.write_stablehlo(loaded, out, max_len=128)
+    msa = dataclasses.replace(loaded, config=dataclasses.replace(
+        loaded.config, model=dataclasses.replace(loaded.config.model, mixers=("msa",))))
+    with pytest.raises(ExportError, match="MSA layers.*memory bank"):
+        es.write_stablehlo(msa, out)
 
 
 def test_rebuilt_model_is_the_live_one(tmp_path):
