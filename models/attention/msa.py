@@ -55,8 +55,8 @@ own context.
 Auxiliary outputs (models/auxiliary.py), per MSA layer: loss "routing" = routing_loss_weight *
 routes * InfoNCE over document scores (each positive against the row's negatives, temperature a
 learned scalar clamped to [0.001, 0.5], exact log-sum-exp; mean over rows with a positive); metrics
-"recall@1", "recall@5" (fraction of a row's positives among its top 1 / 5 documents, mean over rows
-with a positive; reported by non-routing MSA layers too, whose router is then untrained).
+"recall@1", "recall@5", "recall@10" (fraction of a row's positives among its top 1 / 5 / 10
+documents, mean over rows with a positive; reported by non-routing MSA layers too, whose router is then untrained).
 
 Encoding (a memory bank, aiinfra_jax/memory_bank.py): every MSA layer also records its pooled
 chunks ("pooled_k", "pooled_v", "pooled_route_k" [B,C,K,Dh], models/auxiliary.py `record`), which
@@ -318,7 +318,7 @@ class MSAttention(nnx.Module):
         report_loss(self, "routing",
                     c.routing_loss_weight * self.routes[...].astype(jnp.float32) * loss)
         positive = layout["positive"] & valid & jnp.isfinite(scores)
-        for k in (1, 5):
+        for k in (1, 5, 10):
             report_metric(self, f"recall@{k}", recall_at(ranks, positive, layout["n_docs"], k))
         # A row with more documents than slots is refused only when it has a query to route:
         # plain packed text (no query) uses no chunk slot, so its outputs never depend on them.

@@ -370,7 +370,7 @@ def test_transformer_forward_backward_with_dense_and_msa():
 
     grads, aux = step(model)
     assert "mixer/routing" in aux["losses"] and float(aux["losses"]["mixer/routing"]) > 0
-    assert "mixer/recall@1" in aux["metrics"] and "mixer/recall@5/layer_3" in aux["metrics"]
+    assert {"mixer/recall@1", "mixer/recall@5/layer_3", "mixer/recall@10"} <= set(aux["metrics"])
     leaves = jax.tree.leaves(nnx.state(grads, nnx.Param))
     assert all(np.isfinite(np.asarray(g)).all() for g in leaves)
     rq = np.asarray(grads.blocks.layers[1].mixer.router_q[...])
