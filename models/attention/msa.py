@@ -53,8 +53,9 @@ every MSA layer's flag (`assign_routing_layers`). Non-routing layers: documents 
 own context.
 
 Auxiliary outputs (models/auxiliary.py), per MSA layer: loss "routing" = routing_loss_weight *
-routes * InfoNCE over document scores (each positive against the row's negatives, temperature a
-learned scalar clamped to [0.001, 0.5], exact log-sum-exp; mean over rows with a positive); metrics
+routes * InfoNCE over document scores (routing_loss_form: "joint", the positives against all the
+row's documents, or "decoupled", each positive against the negatives only; temperature a learned
+scalar clamped to [0.001, 0.5], exact log-sum-exp; mean over rows with a positive); metrics
 "recall@1", "recall@5", "recall@10" (fraction of a row's positives among its top 1 / 5 / 10
 documents, mean over rows with a positive; reported by non-routing MSA layers too, whose router is then untrained).
 
@@ -96,7 +97,7 @@ from ..layers import apply_rope, out_proj_std
 from ..registry import register_config, register_mixer
 from .dense import cache_mask, cache_room, refuse_rows, write_cache
 from .msa_routing import (
-    ANSWER_BIT, bank_document_scores, document_layout, document_scores, gather_memory, infonce,
+    ANSWER_BIT, INFONCE_FORMS, bank_document_scores, document_layout, document_scores, gather_memory, infonce,
     pool_chunks, query_roles, recall_at, select_bank_documents, select_documents)
 
 
@@ -129,6 +130,9 @@ class MSAConfig:
     query_offset: int | None = None
     temperature: float = 0.1
     routing_loss_weight: float = runtime_field(0.1)
+    # InfoNCE over documents: "joint" (all positives against all documents) or "decoupled" (each
+    # positive against the negatives only); the same with one positive (msa_routing.infonce).
+    routing_loss_form: str = runtime_field("joint")
     # Document slots per row; a row with a query and more documents is refused (outputs NaN).
     max_documents: int = runtime_field(64)
     implementation: str | None = runtime_field(None)  # flash_attention backend (None = best)
@@ -147,7 +151,7 @@ class MSAConfig:
             raise ValueError(f"MSAConfig.routing_layers={rl!r}: must be a tuple of layer indices "
                              ">= 0, or None (= the MSA layers in the top half of the model)")
         for name, choices in (("head_reduce", HEAD_REDUCE), ("query_reduce", QUERY_REDUCE),
-                              ("chunk_reduce", CHUNK_REDUCE)):
+                              ("chunk_reduce", CHUNK_REDUCE), ("routing_loss_form", INFONCE_FORMS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"MSAConfig.{name}={getattr(self, name)!r}: valid choices: "
                                  f"{choices}")
@@ -314,7 +318,7 @@ class MSAttention(nnx.Module):
 
         valid = jnp.arange(n)[None, :] < layout["n_docs"][:, None]
         temperature = jnp.clip(self.temperature[...].astype(jnp.float32), *TEMPERATURE_RANGE)
-        loss = infonce(scores, layout["positive"], valid, temperature)
+        loss = infonce(scores, layout["positive"], valid, temperature, c.routing_loss_form)
         report_loss(self, "routing",
                     c.routing_loss_weight * self.routes[...].astype(jnp.float32) * loss)
         positive = layout["positive"] & valid & jnp.isfinite(scores)

@@ -186,24 +186,42 @@ def select_documents(scores_bn: jax.Array, n_docs_b: jax.Array, top_k: int
     return ranks, real & (ranks < k) & jnp.isfinite(scores_bn)
 
 
+INFONCE_FORMS = ("joint", "decoupled")
+
+
+def _masked_lse(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """log sum_{mask} e^logits [B,1] (0 where the mask is empty), exact: the max is taken out
+    (without gradient) instead of an epsilon added."""
+    has = jnp.any(mask, axis=1, keepdims=True)
+    top = jax.lax.stop_gradient(jnp.max(jnp.where(mask, logits, -jnp.inf), axis=1, keepdims=True))
+    top = jnp.where(has, top, 0.0)
+    mass = jnp.sum(jnp.where(mask, jnp.exp(logits - top), 0.0), axis=1, keepdims=True)
+    return jnp.log(jnp.where(has, mass, 1.0)) + top
+
+
 def infonce(scores_bn: jax.Array, positive_bn: jax.Array, valid_bn: jax.Array,
-            temperature: jax.Array) -> jax.Array:
-    """Routing loss: mean over rows with a positive of the mean over its positives p of
-    -log(e^{l_p} / (e^{l_p} + sum_{negatives n} e^{l_n})), l = score / temperature; computed with
-    an exact log-sum-exp (no epsilon), zero-gradient on masked slots."""
+            temperature: jax.Array, form: str = "joint") -> jax.Array:
+    """Routing loss, l = score / temperature, mean over rows with a positive and a negative:
+    "joint"      -log(sum_{positives} e^l / sum_{positives and negatives} e^l)
+    "decoupled"  the mean over the row's positives p of -log(e^{l_p} / (e^{l_p} + sum_{negatives}
+                 e^{l_n})): each positive against the negatives only, not against the other
+                 positives.
+    The two agree when a row has one positive. Exact log-sum-exps (no epsilon), zero gradient on
+    masked slots; a row without negatives adds 0."""
+    if form not in INFONCE_FORMS:
+        raise ValueError(f"infonce: form={form!r}, valid: {INFONCE_FORMS}")
     valid = valid_bn & jnp.isfinite(scores_bn)
     logits = jnp.where(valid, scores_bn, 0.0) / temperature
     pos, neg = positive_bn & valid, valid & ~positive_bn
-    has_neg = jnp.any(neg, axis=1, keepdims=True)
-    top = jax.lax.stop_gradient(jnp.max(jnp.where(neg, logits, -jnp.inf), axis=1, keepdims=True))
-    top = jnp.where(has_neg, top, 0.0)
-    mass = jnp.sum(jnp.where(neg, jnp.exp(logits - top), 0.0), axis=1, keepdims=True)
-    lse_neg = jnp.log(jnp.where(has_neg, mass, 1.0)) + top
-    per_pos = jnp.where(has_neg, jnp.logaddexp(logits, lse_neg) - logits, 0.0)
+    has_neg = jnp.any(neg, axis=1)
     n_pos = jnp.sum(pos, axis=1)
-    per_row = jnp.sum(jnp.where(pos, per_pos, 0.0), axis=1) / jnp.maximum(n_pos, 1)
-    rows = n_pos > 0
-    return jnp.sum(jnp.where(rows, per_row, 0.0)) / jnp.maximum(jnp.sum(rows), 1)
+    if form == "joint":
+        per_row = (_masked_lse(logits, valid) - _masked_lse(logits, pos))[:, 0]
+    else:
+        per_pos = jnp.logaddexp(logits, _masked_lse(logits, neg)) - logits
+        per_row = jnp.sum(jnp.where(pos, per_pos, 0.0), axis=1) / jnp.maximum(n_pos, 1)
+    rows = (n_pos > 0) & has_neg
+    return jnp.sum(jnp.where(rows, per_row, 0.0)) / jnp.maximum(jnp.sum(n_pos > 0), 1)
 
 
 def recall_at(ranks_bn: jax.Array, positive_bn: jax.Array, n_docs_b: jax.Array, k: int

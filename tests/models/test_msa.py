@@ -194,17 +194,25 @@ def test_infonce_is_exact_at_small_temperature():
     pos = jnp.asarray([[False, True, False, True, False], [False, False, False, False, False]])
     valid = jnp.asarray([[True, True, True, True, False], [True, True, True, False, False]])
     tau = 0.001
-    got = float(jax.jit(infonce)(s, pos, valid, jnp.float32(tau)))
     l = np.asarray(s[0], np.float64) / tau
     neg = l[[0, 2]]
 
+    def lse(x):
+        return x.max() + np.log(np.exp(x - x.max()).sum())
+
     def nll(lp):
-        m = max(lp, neg.max())
-        return -(lp - m) + np.log(np.exp(lp - m) + np.exp(neg - m).sum())
-    ref = (nll(l[1]) + nll(l[3])) / 2  # row 1 has no positive: not counted
-    np.testing.assert_allclose(got, ref, rtol=1e-5)
-    g = jax.jit(jax.grad(lambda x: infonce(x, pos, valid, jnp.float32(0.1))))(s)
-    assert np.isfinite(np.asarray(g)).all() and float(jnp.abs(g[0, 4])) == 0.0
+        return lse(np.append(neg, lp)) - lp
+    # Row 1 has no positive: not counted. Row 0 has two positives (slots 1 and 3).
+    refs = {"decoupled": (nll(l[1]) + nll(l[3])) / 2, "joint": lse(l[:4]) - lse(l[[1, 3]])}
+    for form, ref in refs.items():
+        got = float(jax.jit(infonce, static_argnums=4)(s, pos, valid, jnp.float32(tau), form))
+        np.testing.assert_allclose(got, ref, rtol=1e-5)
+        g = jax.jit(jax.grad(lambda x: infonce(x, pos, valid, jnp.float32(0.1), form)))(s)
+        assert np.isfinite(np.asarray(g)).all() and float(jnp.abs(g[0, 4])) == 0.0
+    one = pos.at[0, 3].set(False)  # one positive: the two forms agree
+    np.testing.assert_allclose(float(infonce(s, one, valid, jnp.float32(0.1), "joint")),
+                               float(infonce(s, one, valid, jnp.float32(0.1), "decoupled")),
+                               rtol=1e-6)
 
 
 def _dense_reference(layer, x, pos, seg):
@@ -380,6 +388,7 @@ def test_transformer_forward_backward_with_dense_and_msa():
 @pytest.mark.parametrize("kwargs,field", [
     (dict(chunk=0), "chunk"), (dict(head_reduce="sum"), "head_reduce"),
     (dict(query_reduce="first"), "query_reduce"), (dict(temperature=0.9), "temperature"),
+    (dict(routing_loss_form="coupled"), "routing_loss_form"),
     (dict(routing_layers=(-1,)), "routing_layers"), (dict(implementation="cuda"),
                                                      "implementation")])
 def test_config_validation_names_the_field(kwargs, field):
