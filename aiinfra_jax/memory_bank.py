@@ -504,7 +504,8 @@ def bank_prefill(model: nnx.Module, device_bank: dict[str, Any], tokens: np.ndar
 
 
 def cache_documents(model: nnx.Module, cache: tuple) -> dict[int, np.ndarray]:
-    """{routing layer: [B,top_k] bank documents in memory (-1 = none)} of a prefilled cache."""
+    """{routing layer: [B,top_k] bank documents in memory, best first (-1 = none)} of a
+    prefilled cache."""
     size = model.cfg.block_size
     out = {}
     for i in routing_layer_indices(model.cfg):
@@ -516,7 +517,7 @@ def cache_documents(model: nnx.Module, cache: tuple) -> dict[int, np.ndarray]:
 @dataclasses.dataclass(frozen=True)
 class BankAnswer:
     result: GenerateResult
-    documents: dict[int, np.ndarray]  # routing layer -> [B,top_k] bank documents (-1 = none)
+    documents: dict[int, np.ndarray]  # routing layer -> [B,top_k] bank documents, best first
 
 
 def generate_from_bank(model: nnx.Module, device_bank: dict[str, Any],

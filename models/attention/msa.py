@@ -65,7 +65,7 @@ a forward over rows of documents only returns with capture_intermediates=True.
 
 Cache (prefill and decode): {"k", "v": [B,K,M+S,Dh] head-major, "lengths": [B] (the query's own
 tokens in the cache), "mem": [B,M] bool (the memory slots in use), "docs": [B,top_k] int32 (the
-bank documents in memory, increasing, -1 = none)}: the first M slots hold pooled chunks of memory
+bank documents in memory, best first, -1 = none)}: the first M slots hold pooled chunks of memory
 documents, the query's own tokens go at M + lengths. init_cache makes M = 0 (an MSA model then
 decodes as causal attention over its own context); memory_bank.attach_bank gives a routing
 layer's cache M = top_k * (the bank's longest document in chunks) slots and a "bank" entry (its

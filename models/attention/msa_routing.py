@@ -308,24 +308,27 @@ def bank_document_scores(q_route: jax.Array, reads: jax.Array, route_k: jax.Arra
 
 
 def select_bank_documents(scores_bn: jax.Array, top_k: int) -> jax.Array:
-    """The top min(top_k, N) documents [B,top_k] int32 of each row by score (ties: lower index),
-    listed in increasing document order (the order of a packed row's chunks), -1 in unused
-    places (rows without router-read tokens, or N < top_k)."""
+    """The top min(top_k, N) documents [B,top_k] int32 of each row, best first (ties: lower index
+    first), -1 in unused places (rows without router-read tokens, or N < top_k)."""
     n = scores_bn.shape[1]
     k = min(top_k, n)
     values, index = jax.lax.top_k(scores_bn, k)
-    index = jnp.sort(jnp.where(jnp.isfinite(values), index, n), axis=1)
-    docs = jnp.where(index < n, index, -1).astype(jnp.int32)
+    docs = jnp.where(jnp.isfinite(values), index, -1).astype(jnp.int32)
     return jnp.pad(docs, ((0, 0), (0, top_k - k)), constant_values=-1)
 
 
 def gather_memory(bank_k: jax.Array, bank_v: jax.Array, doc_start: jax.Array,
                   doc_chunks: jax.Array, docs_bk: jax.Array, max_chunks: int
                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(mem_k, mem_v [B,K,M,Dh], valid [B,M]) with M = k * max_chunks: selected document r's
-    chunks c < doc_chunks[doc] at memory slots r * max_chunks + c, from the bank's pooled keys and
-    values [Cp,K,Dh] (document d's chunks at doc_start[d] ...); docs_bk [B,k] (-1 = none)."""
+    """(mem_k, mem_v [B,K,M,Dh], valid [B,M]) with M = k * max_chunks: the r-th selected
+    document in increasing document order (the order of a packed row's chunks, so that sums run
+    as in training) has its chunks c < doc_chunks[doc] at memory slots r * max_chunks + c, from the
+    bank's pooled keys and values [Cp,K,Dh] (document d's chunks at doc_start[d] ...); docs_bk
+    [B,k] in any order (-1 = none)."""
     batch, k = docs_bk.shape
+    big = jnp.iinfo(jnp.int32).max
+    docs_bk = jnp.sort(jnp.where(docs_bk >= 0, docs_bk, big), axis=1)
+    docs_bk = jnp.where(docs_bk == big, -1, docs_bk)
     c = jnp.arange(max_chunks, dtype=jnp.int32)
     d = jnp.maximum(docs_bk, 0)
     valid = (docs_bk >= 0)[:, :, None] & (c[None, None, :] < doc_chunks[d][:, :, None])
