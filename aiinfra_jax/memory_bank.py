@@ -469,34 +469,42 @@ def attach_bank(model: nnx.Module, cache: tuple, device_bank: dict[str, Any],
                        for p, c in enumerate(block)) for r, block in enumerate(cache))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6))
-def _bank_prefill(graphdef, state, arrays, tokens_bt, lengths_b, max_len: int,
-                  max_doc_chunks: int):
+@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8))
+def _bank_prefill(graphdef, state, arrays, tokens_bt, lengths_b, unread_b, max_len: int,
+                  max_doc_chunks: int, every_position: bool):
     model = inference_model(graphdef, state)
     batch, seq = tokens_bt.shape
     offset = model.cfg.msa.resolved_query_offset
     cache = attach_bank(model, model.init_cache(batch, max_len), arrays, max_doc_chunks)
     t = jnp.arange(seq, dtype=jnp.int32)[None, :]
-    segment_ids = jnp.where(t < lengths_b[:, None], -1, 0).astype(jnp.int32)
+    segment_ids = jnp.where(t < lengths_b[:, None], -1 - unread_b[:, None], 0).astype(jnp.int32)
     positions = jnp.broadcast_to(offset + t, (batch, seq))
     x, cache, _ = model.features(tokens_bt, positions=positions, segment_ids=segment_ids,
                                  cache=cache)
+    if every_position:
+        return model.logits(x), cache
     last = jnp.take_along_axis(x, (lengths_b - 1)[:, None, None], axis=1)
     return model.logits(last)[:, 0], cache
 
 
 def bank_prefill(model: nnx.Module, device_bank: dict[str, Any], tokens: np.ndarray,
-                 lengths: np.ndarray, max_len: int, mesh: jax.sharding.Mesh | None = None
+                 lengths: np.ndarray, max_len: int, mesh: jax.sharding.Mesh | None = None, *,
+                 unread: np.ndarray | None = None, every_position: bool = False
                  ) -> tuple[jax.Array, tuple]:
     """Right-padded query prompts tokens [B,T] (true lengths [B]) routed over the bank and
-    prefilled in one call: (logits [B,V] at each prompt's last token, cache with room for max_len
-    query tokens; cache_documents reads what each routing layer chose). The prompt is all router
-    input: positions from msa.resolved_query_offset, segment id -1. mesh: trace under it, so the
-    bank's chunks are scored split over its devices (MemoryBank.to_device(mesh))."""
+    prefilled in one call: (logits [B,V] at each prompt's last token, or [B,T,V] at every
+    position with every_position, and the cache with room for max_len query tokens;
+    cache_documents reads what each routing layer chose). Positions from
+    msa.resolved_query_offset; the prompt is one query segment whose last unread[b] tokens (default
+    0) the router does not read (msa.py's convention: teacher-forced answers after the prompt
+    score as in training). mesh: trace under it, so the bank's chunks are scored split over its
+    devices (MemoryBank.to_device(mesh))."""
     graphdef, state = nnx.split(model)
     arrays = {k: v for k, v in device_bank.items() if k != "max_doc_chunks"}
-    args = (graphdef, state, arrays, jnp.asarray(tokens, jnp.int32),
-            jnp.asarray(lengths, jnp.int32), int(max_len), int(device_bank["max_doc_chunks"]))
+    lengths = jnp.asarray(lengths, jnp.int32)
+    unread = jnp.zeros_like(lengths) if unread is None else jnp.asarray(unread, jnp.int32)
+    args = (graphdef, state, arrays, jnp.asarray(tokens, jnp.int32), lengths, unread,
+            int(max_len), int(device_bank["max_doc_chunks"]), bool(every_position))
     if mesh is None:
         return _bank_prefill(*args)
     with shd.activation_rules(mesh):

@@ -16,8 +16,9 @@ document lengths), grown by appends to each size in turn; `queries` needle docum
 "{key} is {value}." and sit at random places among the first size's documents, every other
 document holds a fact of another key while distinct keys last (10,302 adjective-noun pairs), the
 rest are plain haystack. Each query is "[BOS]{key} is " (the training query's prompt); it is right
-when the greedy answer up to EOS is the value. Per size: exact match, the share of queries whose
-needle document is each routing layer's first choice (recall@1) and among its top-k, encoding
+when the greedy answer up to EOS is the value. Per size: exact match, the answer tokens' NLL and
+greedy accuracy given the true prefix (teacher forced), the share of queries whose needle
+document is each routing layer's first choice (recall@1) and among its top-k, encoding
 throughput (tokens/s of that append), prefill time of one query (routing over the whole bank) and
 decode time per token (which the bank does not touch), bank bytes per memory token, and device
 bytes of the bank. Results go to DIR/memory_niah.json and a markdown table on stdout.
@@ -125,6 +126,37 @@ def _time(fn, repeats: int = 3) -> float:
     return float(np.median(times))
 
 
+def _teacher_forced(model, tokenizer, device_bank, prompts, needles, batch, mesh
+                    ) -> tuple[float, int, int]:
+    """(summed NLL, greedy hits, count) over the answer tokens and EOS, each given the true
+    prefix, with the answer unread by the router (routing on the prompt alone, as in training).
+    They move as soon as the model starts to copy; exact match waits for whole answers."""
+    nll = 0.0
+    hits = count = 0
+    for first in range(0, len(prompts), batch):
+        rows = []
+        for prompt, (_, _, value) in zip(prompts[first:first + batch],
+                                         needles[first:first + batch]):
+            answer = hs.encode(tokenizer, value).tolist()
+            rows.append((prompt, answer + [tokenizer.eos_id]))
+        width = max(len(p) + len(a) - 1 for p, a in rows)
+        tokens = np.zeros((len(rows), width), np.int32)
+        lengths = np.zeros(len(rows), np.int32)
+        unread = np.zeros(len(rows), np.int32)
+        for b, (p, a) in enumerate(rows):
+            seq = p + a[:-1]  # inputs: the prompt and the answer; targets: the answer and EOS
+            tokens[b, :len(seq)], lengths[b], unread[b] = seq, len(seq), len(a) - 1
+        logits, _ = mb.bank_prefill(model, device_bank, tokens, lengths, width, mesh,
+                                    unread=unread, every_position=True)
+        logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
+        for b, (p, a) in enumerate(rows):
+            at = np.arange(len(p) - 1, len(p) - 1 + len(a))
+            nll -= float(logp[b, at, a].sum())
+            hits += int((logp[b, at].argmax(-1) == np.asarray(a)).sum())
+            count += len(a)
+    return nll, hits, count
+
+
 def evaluate_size(model, tokenizer, bank: mb.MemoryBank, needles, *, batch: int,
                   max_new_tokens: int, mesh=None) -> dict[str, Any]:
     """Exact match, routing recall and timings of the bank as it is (module docstring); mesh:
@@ -144,6 +176,8 @@ def evaluate_size(model, tokenizer, bank: mb.MemoryBank, needles, *, batch: int,
             for layer, chosen in ans.documents.items():
                 found[layer] = found.get(layer, 0) + int(doc in chosen[b])
                 first_choice[layer] = first_choice.get(layer, 0) + int(doc == chosen[b][0])
+    nll, hits, count = _teacher_forced(model, tokenizer, device_bank, prompts, needles, batch,
+                                       mesh)
     # One query: the prefill (routing over every chunk) and the decode steps, timed apart.
     one = np.asarray([prompts[0]], np.int32)
     length = np.asarray([one.shape[1]], np.int32)
@@ -162,7 +196,8 @@ def evaluate_size(model, tokenizer, bank: mb.MemoryBank, needles, *, batch: int,
                  for a in jax.tree.leaves({k: v for k, v in device_bank.items()
                                            if k != "max_doc_chunks"}))
     return {"tokens": bank.n_tokens, "documents": bank.n_docs, "chunks": bank.n_chunks,
-            "exact_match": right / len(needles),
+            "exact_match": right / len(needles), "answer_nll": nll / count,
+            "answer_token_acc": hits / count,
             "recall_topk": {str(k): v / len(needles) for k, v in sorted(found.items())},
             "recall_1": {str(k): v / len(needles) for k, v in sorted(first_choice.items())},
             "prefill_s": prefill_s, "decode_s_per_token": decode_s,
@@ -203,12 +238,13 @@ def run_niah(checkpoint: str, sizes: list[int], out_dir: Path, *, queries: int, 
 
 def markdown(result: dict[str, Any]) -> str:
     layers = sorted({k for r in result["rows"] for k in r["recall_topk"]}, key=int)
-    head = ("| bank | docs | exact match | " + " | ".join(
+    head = ("| bank | docs | exact match | answer token acc | " + " | ".join(
         f"needle first / in top-{result['top_k']}, layer {k}" for k in layers)
             + " | encode tok/s | prefill s | decode ms/token | bytes/token |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in result["rows"]:
         lines.append(f"| {r['size']} | {r['documents']} | {100 * r['exact_match']:.1f}% | "
+                     f"{100 * r['answer_token_acc']:.1f}% | "
                      + " | ".join(f"{100 * r['recall_1'][k]:.0f}% / {100 * r['recall_topk'][k]:.0f}%"
                                   for k in layers)
                      + f" | {r['encode_tokens_per_s']:,.0f} | {r['prefill_s']:.3f} | "

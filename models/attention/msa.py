@@ -70,12 +70,13 @@ documents, the query's own tokens go at M + lengths. init_cache makes M = 0 (an 
 decodes as causal attention over its own context); memory_bank.attach_bank gives a routing
 layer's cache M = top_k * (the bank's longest document in chunks) slots and a "bank" entry (its
 pooled route_k / k / v [Cp,K,Dh], chunk_doc [Cp], doc_start / doc_chunks [N]). A cached call
-whose cache holds a bank routes: its query tokens (segment id < 0) score the bank in tiles with
-the training rule (msa_routing.bank_document_scores), the top min(top_k, N) documents' pooled
-chunks are gathered into the memory slots, and the returned cache drops the bank; later calls
-(decode) attend to [memory ; own causal context] without touching the bank. So the prefill that
-routes must hold the whole router-read prompt (one call, not chunks), and prefill plus decode
-equal the training forward over [the bank's documents ; the query] (tests/models/test_msa.py).
+whose cache holds a bank routes: its router-read query tokens (segment id < 0, without the last a
+of an id -(1 + a)) score the bank in tiles with the training rule
+(msa_routing.bank_document_scores), the top min(top_k, N) documents' pooled chunks are gathered
+into the memory slots, and the returned cache drops the bank; later calls (decode) attend to
+[memory ; own causal context] without touching the bank. So the prefill that routes must hold the
+whole router-read prompt (one call, not chunks), and prefill plus decode equal the training
+forward over [the bank's documents ; the query] (tests/models/test_msa_bank.py).
 """
 
 from __future__ import annotations
@@ -343,7 +344,7 @@ class MSAttention(nnx.Module):
         bank = cache.get("bank")
         if bank is not None and m:
             reads = (jnp.zeros((batch, seq), jnp.bool_) if segment_ids is None
-                     else segment_ids < 0)
+                     else query_roles(segment_ids)[2])
             scores = bank_document_scores(p["q_route"], reads, bank["route_k"],
                                           bank["chunk_doc"], bank["doc_start"].shape[0], c)
             docs = jnp.where(self.routes[...] > 0, select_bank_documents(scores, c.top_k), -1)

@@ -45,3 +45,4 @@ def test_memory_cli_build_query_niah(tmp_path, capsys):
     for row in result["rows"]:
         assert 0 <= row["exact_match"] <= 1 and set(row["recall_topk"]) == {"1"}
         assert row["prefill_s"] > 0 and row["decode_s_per_token"] > 0
+        assert 0 <= row["answer_token_acc"] <= 1 and row["answer_nll"] > 0

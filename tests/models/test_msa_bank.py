@@ -126,6 +126,15 @@ def test_decode_from_bank_equals_full_forward(tmp_path):
         want = _full_forward_logits(model, docs, prompt, answer)
         got = np.concatenate([steps[0][b, :len(prompt)]] + [s[b] for s in steps[1:]])
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+    # Teacher forcing through the bank: prompt + answer in one prefill, the answer unread by the
+    # router (msa.py's id -(1 + a)), gives the same logits at every query position.
+    for b, (prompt, answer) in enumerate(zip(PROMPTS, ANSWERS)):
+        tf, _ = mb.bank_prefill(model, device_bank, np.asarray([prompt + answer], np.int32),
+                                np.asarray([len(prompt) + len(answer)]), 16,
+                                unread=np.asarray([len(answer)]), every_position=True)
+        np.testing.assert_allclose(np.asarray(tf[0]),
+                                   _full_forward_logits(model, docs, prompt, answer),
+                                   rtol=0, atol=1e-4)
     plain = model.init_cache(2, 16)
     lengths = np.asarray([len(p) for p in PROMPTS])
     tokens = np.zeros((2, 5), np.int32)
@@ -216,6 +225,6 @@ def test_sharded_bank_scoring_equals_one_device(tmp_path):
     arrays = {k: v for k, v in sharded_bank.items() if k != "max_doc_chunks"}
     with shd.activation_rules(mesh):
         hlo = mb._bank_prefill.lower(graphdef, state, arrays, jnp.asarray(tokens),
-                                     jnp.asarray(lengths), 12,
-                                     sharded_bank["max_doc_chunks"]).compile().as_text()
+                                     jnp.asarray(lengths), jnp.zeros(2, jnp.int32), 12,
+                                     sharded_bank["max_doc_chunks"], False).compile().as_text()
     assert "all-reduce" in hlo
