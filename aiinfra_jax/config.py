@@ -294,6 +294,29 @@ class Config:
                f"generation at the training length) handles; set model.max_seq_len={seq} or more "
                f"(a run-time setting: a checkpoint may be resumed with a larger one), or lower "
                f"data.seq_len to {max_seq}")
+        self._check_msa_sources()
+
+    def _check_msa_sources(self) -> None:
+        """An MSA model's ``synthetic:msa_*`` rows must start their query where the model expects
+        it and hold no more documents than its slots (else those rows train on NaN outputs)."""
+        if "msa" not in self.model.mixers:
+            return
+        from aiinfra_jax.data.synthetic_msa import parse_msa_spec  # data code: import on need
+
+        msa = self.model.msa
+        for spec in self.data.sources:
+            if not spec.startswith("synthetic:msa_"):
+                continue
+            _, options = parse_msa_spec(spec)
+            _check(options.query_offset == msa.resolved_query_offset, "data.sources", spec,
+                   f"its query_offset={options.query_offset} differs from the model's "
+                   f"model.msa.resolved_query_offset={msa.resolved_query_offset} (query_offset, or "
+                   f"top_k when unset), where the model's memory-bank queries start; add "
+                   f"query_offset={msa.resolved_query_offset} to the source's options")
+            _check(options.docs <= msa.max_documents, "data.sources", spec,
+                   f"its docs={options.docs} exceeds model.msa.max_documents="
+                   f"{msa.max_documents}: the MSA layers would refuse those rows (NaN outputs); "
+                   f"lower docs or raise model.msa.max_documents")
 
 
 # ----------------------------------------------------------------------------- (de)serialisation

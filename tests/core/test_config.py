@@ -88,6 +88,13 @@ def test_inconsistent_combinations_fail_before_compiling():
         apply_overrides(Config(), ["optim.loss_stages=[[400,1.0,0.1],[300,1.0,1.0]]"])
     with pytest.raises(ValueError, match="optim.lm_weight/aux_weight.*not both 0"):
         apply_overrides(Config(), ["optim.lm_weight=0", "optim.aux_weight=0"])
+    msa = ["model.mixers=msa", "model.msa.top_k=4", "data.seq_len=512"]
+    with pytest.raises(ValueError, match="query_offset=16 differs.*resolved_query_offset=4"):
+        apply_overrides(Config(), msa + ["data.sources=synthetic:msa_niah"])
+    with pytest.raises(ValueError, match="docs=8 exceeds model.msa.max_documents=4"):
+        apply_overrides(Config(), msa + ["model.msa.max_documents=4",
+                                         "data.sources=synthetic:msa_niah:query_offset=4"])
+    apply_overrides(Config(), msa + ["data.sources=synthetic:msa_niah:query_offset=4"])
     staged = apply_overrides(Config(), ["optim.lm_weight=0.1", "optim.loss_stages=[[400,1,0.1]]"])
     assert staged.optim.loss_schedule() == ((0, 0.1, 1.0), (400, 1.0, 0.1))
 
