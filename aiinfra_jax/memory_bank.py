@@ -229,6 +229,15 @@ def _write_manifest(path: Path, manifest: dict) -> None:
     os.replace(tmp, path / "manifest.json")
 
 
+@dataclasses.dataclass(frozen=True)
+class DeviceBank:
+    """A bank on the device (MemoryBank.to_device): the arrays a routing prefill reads (a pytree
+    for jit) and the longest document in chunks (static: it sizes the memory slots)."""
+
+    arrays: dict[str, Any]
+    max_doc_chunks: int
+
+
 class MemoryBank:
     """A bank on disk (module docstring); `open` / `create`, `append`, `array`, `to_device`."""
 
@@ -385,9 +394,9 @@ class MemoryBank:
                              longest_doc=max(m["longest_doc"], longest), appending=False)
         _write_manifest(self.path, self.manifest)
 
-    def to_device(self, mesh: jax.sharding.Mesh | None = None) -> dict[str, Any]:
-        """The bank as device arrays for attach_bank: {"layers": {i: {route_k, k, v [Cp,K,Dh]}},
-        "chunk_doc" [Cp], "doc_start", "doc_chunks" [N], "max_doc_chunks"}, chunks padded
+    def to_device(self, mesh: jax.sharding.Mesh | None = None) -> DeviceBank:
+        """The bank on the device (DeviceBank: arrays {"layers": {i: {route_k, k, v [Cp,K,Dh]}},
+        "chunk_doc" [Cp], "doc_start", "doc_chunks" [N]} and max_doc_chunks), chunks padded
         (msa_routing.bank_chunk_padding; the padding belongs to document N: never scored, never
         gathered). With a mesh the chunk arrays are split over its axes > 1, so that each device
         scores its own share (msa_routing.bank_document_scores); query under that mesh
@@ -414,9 +423,9 @@ class MemoryBank:
         layers = {i: {name: put(np.pad(self.array(f"layer_{i}.{name}"), pad))
                       for name in ARRAYS} for i in self.layers}
         start = np.concatenate([[0], np.cumsum(doc_chunks)[:-1]]).astype(np.int32)
-        return {"layers": layers, "chunk_doc": put(chunk_doc),
-                "doc_start": jnp.asarray(start), "doc_chunks": jnp.asarray(doc_chunks),
-                "max_doc_chunks": self.max_doc_chunks}
+        return DeviceBank({"layers": layers, "chunk_doc": put(chunk_doc),
+                           "doc_start": jnp.asarray(start), "doc_chunks": jnp.asarray(doc_chunks)},
+                          self.max_doc_chunks)
 
 
 def build_bank(model: nnx.Module, docs: Sequence[np.ndarray], out: str | Path, *,
@@ -443,15 +452,15 @@ def build_bank(model: nnx.Module, docs: Sequence[np.ndarray], out: str | Path, *
 
 # Query ----------------------------------------------------------------------------------------------
 
-def attach_bank(model: nnx.Module, cache: tuple, device_bank: dict[str, Any],
+def attach_bank(model: nnx.Module, cache: tuple, arrays: dict[str, Any],
                 max_doc_chunks: int) -> tuple:
     """The model's cache (Transformer.init_cache) with memory slots (top_k * max_doc_chunks) and
-    the bank (MemoryBank.to_device's arrays) in every routing layer's MSA cache (msa.py "Cache");
+    the bank (DeviceBank.arrays) in every routing layer's MSA cache (msa.py "Cache");
     other layers unchanged."""
     cfg = model.cfg
     m = cfg.msa.top_k * max_doc_chunks
     size = cfg.block_size
-    shared = {key: device_bank[key] for key in ("chunk_doc", "doc_start", "doc_chunks")}
+    shared = {key: arrays[key] for key in ("chunk_doc", "doc_start", "doc_chunks")}
 
     def with_memory(layer_cache, i):
         inner = layer_cache["mixer"] if "conv" in layer_cache else layer_cache
@@ -461,10 +470,10 @@ def attach_bank(model: nnx.Module, cache: tuple, device_bank: dict[str, Any],
             grown[key] = jnp.concatenate([jnp.zeros((batch, kv, m, dh), inner[key].dtype),
                                           inner[key]], axis=2)
         grown["mem"] = jnp.zeros((batch, m), jnp.bool_)
-        grown["bank"] = dict(shared, **device_bank["layers"][i])
+        grown["bank"] = dict(shared, **arrays["layers"][i])
         return dict(layer_cache, mixer=grown) if "conv" in layer_cache else grown
 
-    routes = set(device_bank["layers"])
+    routes = set(arrays["layers"])
     return tuple(tuple(with_memory(c, r * size + p) if r * size + p in routes else c
                        for p, c in enumerate(block)) for r, block in enumerate(cache))
 
@@ -487,7 +496,7 @@ def _bank_prefill(graphdef, state, arrays, tokens_bt, lengths_b, unread_b, max_l
     return model.logits(last)[:, 0], cache
 
 
-def bank_prefill(model: nnx.Module, device_bank: dict[str, Any], tokens: np.ndarray,
+def bank_prefill(model: nnx.Module, device_bank: DeviceBank, tokens: np.ndarray,
                  lengths: np.ndarray, max_len: int, mesh: jax.sharding.Mesh | None = None, *,
                  unread: np.ndarray | None = None, every_position: bool = False
                  ) -> tuple[jax.Array, tuple]:
@@ -500,11 +509,10 @@ def bank_prefill(model: nnx.Module, device_bank: dict[str, Any], tokens: np.ndar
     score as in training). mesh: trace under it, so the bank's chunks are scored split over its
     devices (MemoryBank.to_device(mesh))."""
     graphdef, state = nnx.split(model)
-    arrays = {k: v for k, v in device_bank.items() if k != "max_doc_chunks"}
     lengths = jnp.asarray(lengths, jnp.int32)
     unread = jnp.zeros_like(lengths) if unread is None else jnp.asarray(unread, jnp.int32)
-    args = (graphdef, state, arrays, jnp.asarray(tokens, jnp.int32), lengths, unread,
-            int(max_len), int(device_bank["max_doc_chunks"]), bool(every_position))
+    args = (graphdef, state, device_bank.arrays, jnp.asarray(tokens, jnp.int32), lengths, unread,
+            int(max_len), device_bank.max_doc_chunks, bool(every_position))
     if mesh is None:
         return _bank_prefill(*args)
     with shd.activation_rules(mesh):
@@ -528,7 +536,7 @@ class BankAnswer:
     documents: dict[int, np.ndarray]  # routing layer -> [B,top_k] bank documents, best first
 
 
-def generate_from_bank(model: nnx.Module, device_bank: dict[str, Any],
+def generate_from_bank(model: nnx.Module, device_bank: DeviceBank,
                        prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                        eos_id: int | None = None, pad_id: int = 0,
                        mesh: jax.sharding.Mesh | None = None) -> BankAnswer:

@@ -193,8 +193,7 @@ def evaluate_size(model, tokenizer, bank: mb.MemoryBank, needles, *, batch: int,
     decode_s = _time(decode) / 16
     files = sum((bank.path / name).stat().st_size for name in bank._files())
     device = sum(int(np.prod(a.shape)) * a.dtype.itemsize
-                 for a in jax.tree.leaves({k: v for k, v in device_bank.items()
-                                           if k != "max_doc_chunks"}))
+                 for a in jax.tree.leaves(device_bank.arrays))
     return {"tokens": bank.n_tokens, "documents": bank.n_docs, "chunks": bank.n_chunks,
             "exact_match": right / len(needles), "answer_nll": nll / count,
             "answer_token_acc": hits / count,

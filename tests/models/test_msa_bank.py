@@ -94,8 +94,7 @@ def _bank_logits(model, device_bank, prompts, answers):
         tokens[b, :len(p)] = p
     batch, seq = tokens.shape
     cache = mb.attach_bank(model, model.init_cache(batch, 16),
-                           {k: v for k, v in device_bank.items() if k != "max_doc_chunks"},
-                           device_bank["max_doc_chunks"])
+                           device_bank.arrays, device_bank.max_doc_chunks)
     t = np.arange(seq)[None]
     seg = np.where(t < lengths[:, None], -1, 0).astype(np.int32)
     logits, cache, _ = model(jnp.asarray(tokens), positions=jnp.asarray(OFFSET + t + 0 * seg),
@@ -215,16 +214,15 @@ def test_sharded_bank_scoring_equals_one_device(tmp_path):
     lengths = np.asarray([5, 3], np.int32)
     one = mb.bank_prefill(model, bank.to_device(), tokens, lengths, 12)
     sharded_bank = bank.to_device(mesh)
-    assert sharded_bank["layers"][1]["route_k"].shape[0] % 8 == 0
-    assert len(sharded_bank["layers"][1]["route_k"].sharding.device_set) == 8
+    assert sharded_bank.arrays["layers"][1]["route_k"].shape[0] % 8 == 0
+    assert len(sharded_bank.arrays["layers"][1]["route_k"].sharding.device_set) == 8
     many = mb.bank_prefill(model, sharded_bank, tokens, lengths, 12, mesh=mesh)
     np.testing.assert_allclose(np.asarray(many[0]), np.asarray(one[0]), rtol=0, atol=1e-5)
     np.testing.assert_array_equal(mb.cache_documents(model, many[1])[1],
                                   mb.cache_documents(model, one[1])[1])
     graphdef, state = nnx.split(model)
-    arrays = {k: v for k, v in sharded_bank.items() if k != "max_doc_chunks"}
     with shd.activation_rules(mesh):
-        hlo = mb._bank_prefill.lower(graphdef, state, arrays, jnp.asarray(tokens),
+        hlo = mb._bank_prefill.lower(graphdef, state, sharded_bank.arrays, jnp.asarray(tokens),
                                      jnp.asarray(lengths), jnp.zeros(2, jnp.int32), 12,
-                                     sharded_bank["max_doc_chunks"], False).compile().as_text()
+                                     sharded_bank.max_doc_chunks, False).compile().as_text()
     assert "all-reduce" in hlo
