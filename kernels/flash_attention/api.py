@@ -39,7 +39,7 @@ class _Static:
     shard: _sharding.ShardPlan | None = None
 
     def tiles(self, implementation: str) -> BlockSizes:
-        return self.block_sizes or default_block_sizes(implementation)
+        return self.block_sizes or default_block_sizes(implementation, self.mask.window)
 
 
 def _module(implementation: str):

@@ -39,11 +39,13 @@ class BlockSizes:
         return (self.block_q_dkv or self.block_q, self.block_k_dkv or self.block_k)
 
 
-# Starting points (not yet tuned on hardware; the benchmark helper should refine them).
 DEFAULTS = {
-    # XLA: large chunks amortise the loop overhead; a [B, Hkv, G, 512, 512] f32 tile is 16 MiB
-    # at G = 16.
-    "xla": BlockSizes(block_q=512, block_k=512),
+    # XLA, measured on a 2-core x86 CPU (eval/BENCHMARKS.md, "Dense flash_attention on the CPU"):
+    # 512 queries x 256 keys was the best or within noise of it for head dims 32 and 128 at 4K
+    # and 8K, forward and backward (256 x 256 lost up to 1.5x at D = 32; 512 x 512 up to 1.3x).
+    # The [R, G*512, 256] float32 score tile is 8 MiB at G*R = 16: inside the L3, not the L2.
+    # The GPU and TPU entries are starting points, not yet tuned on hardware.
+    "xla": BlockSizes(block_q=512, block_k=256),
     # Triton on H100/H200 with D = 128: 128 packed rows x 64 keys forward, 64 x 64 backward.
     "pallas_gpu": BlockSizes(block_q=128, block_k=64, block_q_dq=64, block_k_dq=64,
                              block_q_dkv=64, block_k_dkv=64),
@@ -53,7 +55,15 @@ DEFAULTS = {
 }
 
 
-def default_block_sizes(implementation: str) -> BlockSizes:
+def default_block_sizes(implementation: str, window: int | None = None) -> BlockSizes:
+    """The tiles a call gets when it passes none. The XLA path with a sliding window takes square
+    tiles of about a quarter of the window (64 to 256): a query tile then computes about
+    (bq + w) / w times the visible pairs instead of (512 + w) / w. Measured at T = 8K, w = 512,
+    G = 16 (eval/BENCHMARKS.md): 128 x 128 forward 96 ms and forward+backward 361 ms, against
+    169 and 673 ms with 512 x 256."""
+    if implementation == "xla" and window is not None:
+        side = min(max(next_pow2(window) // 4, 64), 256)
+        return BlockSizes(block_q=side, block_k=side)
     return DEFAULTS[implementation]
 
 

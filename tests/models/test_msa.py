@@ -311,7 +311,9 @@ def test_too_many_documents_refuses_query_rows_only():
     refused = np.asarray(_apply(_layer(), x, pos, seg))
     assert np.isnan(refused).all()
     got = np.asarray(_apply(_layer(), x, pos, plain_seg))
-    np.testing.assert_array_equal(got, np.asarray(_apply(roomy, x, pos, plain_seg)))
+    # Equal to float32 rounding: the slot count changes the key tiling, so the order of the sums.
+    np.testing.assert_allclose(got, np.asarray(_apply(roomy, x, pos, plain_seg)), rtol=1e-5,
+                               atol=1e-7)
     assert np.isfinite(got).all()
 
 
