@@ -82,6 +82,29 @@ def test_scores_many_block_tiles(impl):
     assert_close(got, want, jnp.float32, "block scores")
 
 
+@pytest.mark.parametrize("remap, l, d, lp, segments", [
+    ("overlap", 8, 4, 8, False),   # strided windows (l' a multiple of d)
+    ("eq9", 8, 4, 16, True),       # strided windows, documents
+    ("overlap", 6, 4, 10, True),   # gathered windows (d does not divide l')
+])
+def test_xla_scores_many_query_and_token_tiles(remap, l, d, lp, segments):
+    """The XLA path with small tiles: several query tiles, each scoring only the token tiles it
+    can see (tiles past its last row or before its rows' documents skipped), equals the
+    reference."""
+    from aiinfra_jax.kernels.block_selection import xla as xla_impl
+    q, k_cmp, lse, off, seg, seq_len = _problem(jax.random.PRNGKey(11), b=2, t=300, hkv=2, g=2,
+                                                l=l, d=d, q_offset=[0, 7], seq_len=310,
+                                                segments=segments)
+    rm = Remap(remap, l, d, lp)
+    got = jax.jit(lambda q, k, lse: xla_impl.block_scores(
+        q, k, lse, off, seg, seq_len=seq_len, remap=rm, scale=0.3, block_q=64,
+        block_k=16))(q, k_cmp, lse)
+    want = block_scores_reference(q, k_cmp, lse, seq_len=seq_len, remap=rm, scale=0.3,
+                                  q_offset=off, q_segment_ids=seg)
+    assert got.shape == want.shape == (2, 300, 2, -(-seq_len // lp))
+    assert_close(got, want, jnp.float32, f"block scores ({remap})")
+
+
 def test_overlap_weights_conserve_probability():
     """Overlap remap: every compressed token's weights over blocks sum to 1; eq9 counts pairs."""
     for l, d, lp in [(32, 16, 64), (6, 4, 10), (7, 3, 5)]:
