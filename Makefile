@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 CONFIG ?= configs/nsa_tiny.py
 ARGS   ?=
 
-.PHONY: train test install install-dev bench-train bench-kernels bench-nsa bench-attnres bench-moe \
+.PHONY: train test install install-dev install-bench bench-train bench-kernels bench-nsa bench-attnres bench-moe \
 	bench-moe-quality bench-recurrent bench-memory bench-generate bench-leapquant bench-gpu bench-surgery profile-step clean-venv
 
 $(VENV)/.stamp-base: pyproject.toml
@@ -21,8 +21,14 @@ $(VENV)/.stamp-dev: $(VENV)/.stamp-base
 	$(PY) -m pip install -q -e ".[dev]"
 	@touch $@
 
+$(VENV)/.stamp-bench: $(VENV)/.stamp-base
+	$(PY) -m pip install -q -e ".[bench]"
+	@touch $@
+
 install: $(VENV)/.stamp-base
 install-dev: $(VENV)/.stamp-dev
+# The benchmarks' outside baselines (torch SDPA, lucidrains' PyTorch NSA); optional.
+install-bench: $(VENV)/.stamp-bench
 
 train: $(VENV)/.stamp-base
 	$(PY) train.py --config $(CONFIG) $(ARGS)

@@ -26,16 +26,19 @@ Ops, at NSA's default shapes (one GQA group of 16 query heads over 1 KV head, bl
               attention is read against dense_* with --kv-heads = --heads (no GQA), the shape
               whose arithmetic matches.
   dense_*     the baseline: dense causal attention, as jax.nn.dot_product_attention (dense_sdpa, only
-              while its [B,H,T,T] float32 score matrix fits in --dense-materialise-gb) and as this
-              library's chunked flash_attention with a causal mask (dense_flash); the faster of the
-              two at each T and mode is the baseline of the speed-ups, and each row names it.
-              Every ratio comes from this one invocation (both sides under the same load): when
-              --ops names other ops but no dense one, the dense baseline is added (say
+              while its [B,H,T,T] float32 score matrix fits in --dense-materialise-gb), as this
+              library's chunked flash_attention with a causal mask (dense_flash), and, when torch
+              is importable (the optional `bench` extra), as torch's
+              scaled_dot_product_attention on the same inputs (dense_torch; --no-torch skips it);
+              the fastest at each T and mode is the baseline of the speed-ups, and each row names
+              it. Every ratio comes from this one invocation (both sides under the same load):
+              when --ops names other ops but no dense one, the dense baseline is added (say
               --no-dense-baseline to skip it; the rows then carry no ratio).
 
 Reported per row: median time over --repeats timed calls after a warm-up call (calls longer than
 --long-call-s are timed once after compilation, and the row says so), achieved FLOP/s and bytes/s
-against the op's own FLOP and byte counts (kernels' *_flops / *_bytes helpers), the speed-up over the
+against the op's own FLOP and byte counts (kernels' *_flops / *_bytes helpers), the fraction of the
+machine's matmul peak measured at the start of the run (matmul_peak), the speed-up over the
 dense baseline at the same T, and the FLOP ratio (the limit a compute-bound kernel can reach). Writes
 results.json, results.md and time_vs_length.png to --out-dir.
 """
@@ -140,6 +143,75 @@ def _time(fn, args, repeats: int, long_call_s: float) -> tuple[float, int, str]:
     return statistics.median(times), repeats, f"median of {repeats}"
 
 
+def _time_host(fn, repeats: int, long_call_s: float) -> tuple[float, int, str]:
+    """_time for a synchronous host callable (torch): one warm-up call, then the median."""
+    t0 = time.perf_counter()
+    fn()
+    if time.perf_counter() - t0 > long_call_s:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0, 1, "1 call (long)"
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), repeats, f"median of {repeats}"
+
+
+def matmul_peak(dtype, repeats: int = 5) -> float:
+    """The machine's measured matmul FLOP/s in `dtype` through XLA: the best of square products
+    of 1024 and 2048 (the reference for the "% peak" column; 4096 measured no higher here)."""
+    best = 0.0
+    for n in (1024, 2048):
+        a = jax.random.normal(jax.random.PRNGKey(n), (n, n), dtype)
+        f = jax.jit(lambda a: a @ a).lower(a).compile()
+        jax.block_until_ready(f(a))
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(a))
+            best = max(best, 2 * n ** 3 / (time.perf_counter() - t0))
+    return best
+
+
+def torch_sdpa():
+    """torch.nn.functional.scaled_dot_product_attention when torch is importable (the optional
+    `bench` extra), else None: the dense baseline a researcher on a CPU would reach for."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+def _torch_dense_rows(torch, q, k, v, ct, run_host):
+    """Causal torch SDPA forward and forward+backward on the same inputs ([B,H,T,D] copies)."""
+    tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16}[str(q.dtype)]
+
+    def to_torch(x):
+        return torch.from_numpy(np.asarray(x, np.float32)).to(tdt).permute(0, 2, 1, 3).contiguous()
+
+    tq, tk, tv, tct = (to_torch(x) for x in (q, k, v, ct))
+    gqa = q.shape[2] != k.shape[2]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def fwd():
+        with torch.no_grad():
+            sdpa(tq, tk, tv, is_causal=True, enable_gqa=gqa)
+
+    leaves = [x.detach().clone().requires_grad_(True) for x in (tq, tk, tv)]
+
+    def fwd_bwd():
+        for x in leaves:
+            x.grad = None
+        o = sdpa(*leaves, is_causal=True, enable_gqa=gqa)
+        o.backward(tct.to(o.dtype))
+
+    run_host("fwd", fwd)
+    run_host("fwd+bwd", fwd_bwd)
+
+
 def _compile(f, *args):
     compiled = jax.jit(f).lower(*args).compile()
     try:
@@ -189,6 +261,14 @@ def bench_length(T: int, args, impl: str | None) -> list[dict]:
                   f"{row['flop_per_s'] / 1e9:8.1f} GFLOP/s  temp {temp / 2**20:8.1f} MiB  "
                   f"({note})", flush=True)
 
+    def run_host(op, mode, fn, flops, nbytes, baseline_note):
+        sec, calls, note = _time_host(fn, args.repeats, args.long_call_s)
+        rows.append({"op": op, "impl": "torch", "T": T, "mode": mode, "seconds": sec,
+                     "timing": note, "flops": flops, "bytes": nbytes, "bytes_per_s": nbytes / sec,
+                     "temp_bytes": -1, "baseline": baseline_note, "flop_per_s": flops / sec})
+        print(f"  T={T:>6} {op:<11} {mode:<8} {sec * 1e3:10.1f} ms  {flops / sec / 1e9:8.1f} "
+              f"GFLOP/s  ({note})", flush=True)
+
     # dense causal baseline
     causal = AttentionMask(causal=True)
     dense_ff = flash_attention_flops(B, T, T, H, D, D, causal)
@@ -204,6 +284,11 @@ def bench_length(T: int, args, impl: str | None) -> list[dict]:
         run("dense_flash",
             lambda q, k, v: flash_attention(q, k, v, mask=causal, implementation=impl),
             dense_ff, dense_fb, dense_bf, dense_bb, "flash_attention(causal)")
+        torch = None if args.no_torch else torch_sdpa()
+        if torch is not None:
+            _torch_dense_rows(torch, q, k, v, ct, lambda mode, fn: run_host(
+                "dense_torch", mode, fn, dense_ff if mode == "fwd" else dense_ff + dense_fb,
+                dense_bf if mode == "fwd" else dense_bf + dense_bb, "torch SDPA"))
 
     # NSA's compressed keys, the compressed branch's lse and select_blocks' selections, made once
     # per T from the random q / k / v (the XLA path: the selection is an input here, not timed).
@@ -284,6 +369,10 @@ def bench_length(T: int, args, impl: str | None) -> list[dict]:
         if base:
             r["recurrent_speedup"] = base["seconds"] / r["seconds"]
     for r in rows:
+        t = next((x for x in rows if x["op"] == "dense_torch" and x["mode"] == r["mode"]), None)
+        if t and r["op"] == "dense_flash":
+            r["vs_torch"] = r["seconds"] / t["seconds"]
+    for r in rows:
         d = dense.get(r["mode"])
         if d and not r["op"].startswith("dense"):
             r["baseline"] = d["baseline"]
@@ -325,22 +414,27 @@ def write_outputs(rows: list[dict], meta: dict, out_dir: Path) -> None:
     (out_dir / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     lines = [f"Device: {meta['device']}; dtype {meta['dtype']}; B=1, Hq={meta['heads']}, "
              f"Hkv={meta['kv_heads']}, D={meta['head_dim']}, block {meta['block']}, "
-             f"n={meta['n']}; {meta['date']}", "",
-             "| op | T | mode | time (ms) | GFLOP/s | GB/s | temp MiB | speed-up vs dense | "
-             "FLOP ratio | vs recurrence | keys/query actual (nominal) | timing |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"n={meta['n']}; measured matmul peak "
+             f"{meta['matmul_peak_flop_per_s'] / 1e9:.1f} GFLOP/s; {meta['date']}", "",
+             "| op | T | mode | time (ms) | GFLOP/s | % peak | GB/s | temp MiB | "
+             "speed-up vs dense | FLOP ratio | flash / torch | vs recurrence | "
+             "keys/query actual (nominal) | timing |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         su = f"{r['speedup_vs_dense']:.2f}x" if r.get("speedup_vs_dense") else ""
         fr = f"{r['flop_ratio_vs_dense']:.1f}x" if r.get("flop_ratio_vs_dense") else ""
         op = r["op"] + (f" (vs {r['baseline']})" if r.get("speedup_vs_dense") else "")
         rec = f"{r['recurrent_speedup']:.1f}x" if r.get("recurrent_speedup") else ""
         keys = (f"{r['keys_actual']:.0f} ({r['keys_nominal']})" if "keys_actual" in r else "")
+        vt = f"{r['vs_torch']:.2f}x" if r.get("vs_torch") else ""
+        temp = f"{r['temp_bytes'] / 2**20:.0f}" if r["temp_bytes"] >= 0 else ""
         lines.append(f"| {op} | {r['T']} | {r['mode']} | {r['seconds'] * 1e3:.1f} | "
-                     f"{r['flop_per_s'] / 1e9:.1f} | {r['bytes_per_s'] / 1e9:.2f} | "
-                     f"{r['temp_bytes'] / 2**20:.0f} | {su} | {fr} | {rec} | {keys} | "
-                     f"{r['timing']} |")
-    lines += ["", "Ratios: each row against the faster dense baseline of the same T and mode, "
-              "measured in this invocation. Sparse rows count FLOPs (GFLOP/s, FLOP ratio) from "
+                     f"{r['flop_per_s'] / 1e9:.1f} | {100 * r['peak_fraction']:.0f}% | "
+                     f"{r['bytes_per_s'] / 1e9:.2f} | {temp} | {su} | {fr} | {vt} | {rec} | "
+                     f"{keys} | {r['timing']} |")
+    lines += ["", "Ratios: each row against the fastest dense baseline of the same T and mode "
+              "(torch SDPA included when torch is importable), measured in this invocation; "
+              "flash / torch: dense_flash's time over torch SDPA's (below 1: flash is faster). Sparse rows count FLOPs (GFLOP/s, FLOP ratio) from "
               "the keys actually attended under select_blocks' selections, not the nominal "
               "n * block."]
     (out_dir / "results.md").write_text("\n".join(lines) + "\n")
@@ -386,6 +480,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dense-materialise-gb", type=float, default=1.0)
     ap.add_argument("--no-dense-baseline", action="store_true",
                     help="do not add the dense baseline when --ops names none (no ratios then)")
+    ap.add_argument("--no-torch", action="store_true",
+                    help="skip torch's scaled_dot_product_attention even when torch is importable")
     ap.add_argument("--out-dir", default="runs/bench_kernels")
     args = ap.parse_args(argv)
     args.ops = [o.strip() for o in args.ops.split(",")]
@@ -401,12 +497,16 @@ def main(argv=None) -> int:
     d = jax.devices()[0]
     device = f"{d.device_kind} ({jax.default_backend()}, {jax.device_count()} device(s), jax {jax.__version__})"
     print(f"device: {device}", flush=True)
+    peak = matmul_peak(jnp.dtype(args.dtype))
+    print(f"measured {args.dtype} matmul peak: {peak / 1e9:.1f} GFLOP/s", flush=True)
     rows = []
     for impl_name in args.impls.split(","):
         impl = None if impl_name == "auto" else impl_name
         for T in parse_lengths(args.lengths):
             rows += bench_length(T, args, impl)
-    meta = {"device": device, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+    for r in rows:
+        r["peak_fraction"] = r["flop_per_s"] / peak
+    meta = {"device": device, "matmul_peak_flop_per_s": peak, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
             "dtype": args.dtype, "heads": args.heads, "kv_heads": args.kv_heads,
             "head_dim": args.head_dim, "block": args.block, "n": args.n,
             "command": "python -m aiinfra_jax.eval.bench_kernels " + " ".join(argv or sys.argv[1:])}

@@ -10,10 +10,16 @@ against a cache holding T - 1 tokens, at each context length T. Medians over --r
 warm-up call, each waited for. Beside each measured NSA/dense speed-up: the theoretical FLOP ratio
 (flops_per_token of both modules) and, for decode, the byte ratio (cache bytes a step must read:
 dense all T keys and values; NSA the compressed tokens, n selected blocks and the window). Peak
-memory is the compiled program's memory_analysis (arguments + outputs + temporaries). Dense
-forward / backward through jax.nn.dot_product_attention's XLA path holds [B,H,T,T] float32 logits: lengths
-where that exceeds --dense-max-gb run the dense layer through the chunked flash_attention kernel
-(model.dense.kernel="flash_attention") instead; each row names the dense attention it used.
+memory is the compiled program's memory_analysis (arguments + outputs + temporaries). The dense
+layer runs through the chunked flash_attention kernel (model.dense.kernel="flash_attention", the
+faster dense path on the CPU at every length measured); --dense-kernel auto uses
+jax.nn.dot_product_attention instead where its [B,H,T,T] float32 logits fit in --dense-max-gb.
+Each row names the dense attention it used.
+
+--torch-nsa: also times the PyTorch NSA module a researcher would pick instead on a CPU,
+lucidrains' native-sparse-attention-pytorch (`SparseAttention`, causal, the same width, heads,
+l, d, l', n and window; its default compression MLP and gating; the optional `bench` extra), forward
+and forward+backward on the same shapes in this invocation, and prints ours / theirs.
 
 flops: the theoretical whole-layer forward FLOP ratio dense / NSA (flops_per_token of both
 modules, nothing compiled or run) for several layer widths (d_model/heads/kv_heads) and lengths:
@@ -176,6 +182,39 @@ def bench_layer_once(kind: str, cfg: ModelConfig, batch: int, seq: int, repeats:
     return row
 
 
+def bench_torch_nsa(cfg: ModelConfig, batch: int, seq: int, repeats: int, do_forward: bool,
+                    do_backward: bool) -> dict[str, Any]:
+    """lucidrains' native_sparse_attention_pytorch.SparseAttention at this layer's shapes."""
+    import torch
+    from native_sparse_attention_pytorch import SparseAttention
+    n = cfg.nsa
+    torch.manual_seed(0)
+    layer = SparseAttention(dim=cfg.d_model, dim_head=cfg.resolved_head_dim, heads=cfg.n_heads,
+                            kv_heads=cfg.n_kv_heads, sliding_window_size=n.window,
+                            compress_block_size=n.cmp_block_len,
+                            compress_block_sliding_stride=n.cmp_stride,
+                            selection_block_size=n.sel_block_size,
+                            num_selected_blocks=n.n_selected, causal=True)
+    x = torch.randn(batch, seq, cfg.d_model)
+    w = torch.randn(batch, seq, cfg.d_model)
+    row: dict[str, Any] = {"kind": "torch_nsa", "seq_len": seq,
+                           "module": "native_sparse_attention_pytorch.SparseAttention"}
+    if do_forward:
+        def fwd():
+            with torch.no_grad():
+                layer(x)
+        row["forward_s"] = _median_time(fwd, repeats)
+    if do_backward:
+        xg = x.clone().requires_grad_(True)
+
+        def fwd_bwd():
+            layer.zero_grad(set_to_none=True)
+            xg.grad = None
+            (layer(xg) * w).sum().backward()
+        row["fwd_bwd_s"] = _median_time(fwd_bwd, repeats)
+    return row
+
+
 def _nsa_config(spec: str, implementation=None) -> NSAConfig:
     names = ("cmp_block_len", "cmp_stride", "sel_block_size", "n_selected", "window")
     return NSAConfig(**dict(zip(names, (int(v) for v in spec.split(",")))),
@@ -223,19 +262,22 @@ def run_layer(args) -> dict[str, Any]:
                           n_kv_heads=args.kv_heads, n_layers=1, mixers=("nsa",), nsa=nsa,
                           dtype=args.dtype, max_seq_len=max(seq, 8))
         logits_bytes = args.batch * args.heads * seq * seq * 4
-        dense_ok = logits_bytes <= args.dense_max_gb * 2 ** 30
+        dense_ok = (args.dense_kernel == "auto"
+                    and logits_bytes <= args.dense_max_gb * 2 ** 30)
         for kind in ("dense", "nsa"):
             layer_cfg = cfg
             if kind == "dense" and not dense_ok:
-                # jax.nn.dot_product_attention's logits would not fit: the dense layer runs its
-                # forward/backward through the chunked flash_attention kernel instead.
                 layer_cfg = dataclasses.replace(cfg, dense=DenseConfig(kernel="flash_attention"))
             row = bench_layer_once(kind, layer_cfg, args.batch, seq, args.repeats,
                                    "forward" in ops, "backward" in ops, "decode" in ops, key)
             if kind == "dense":
-                row["dense_attention"] = ("jax.nn.dot_product_attention" if dense_ok else
-                                          f"flash_attention (sdpa logits {logits_bytes / 2 ** 30:.1f}"
-                                          f" GiB > --dense-max-gb)")
+                row["dense_attention"] = ("jax.nn.dot_product_attention" if dense_ok
+                                          else "flash_attention")
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        if args.torch_nsa and ops & {"forward", "backward"}:
+            row = bench_torch_nsa(cfg, args.batch, seq, args.repeats, "forward" in ops,
+                                  "backward" in ops)
             rows.append(row)
             print(json.dumps(row), flush=True)
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -257,12 +299,15 @@ def _gib(v) -> str:
 def layer_markdown(result: dict[str, Any]) -> str:
     by = {(r["kind"], r["seq_len"]): r for r in result["rows"]}
     lengths = sorted({r["seq_len"] for r in result["rows"]})
+    torch_rows = any(r["kind"] == "torch_nsa" for r in result["rows"])
     lines = [f"NSA vs dense attention layer on {result['device']}, {result['date']}",
              f"config: {json.dumps(result['config'])}", "",
-             "| T | op | dense s | NSA s | speed-up | FLOP ratio | byte ratio | dense peak GiB "
-             "| NSA peak GiB |", "|---|---|---|---|---|---|---|---|---|"]
+             "| T | op | dense s | NSA s | speed-up | FLOP ratio | speed-up / FLOP ratio | "
+             "byte ratio | dense peak GiB | NSA peak GiB |"
+             + (" torch NSA s | torch / ours |" if torch_rows else ""),
+             "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if torch_rows else "")]
     for t in lengths:
-        d, n = by[("dense", t)], by[("nsa", t)]
+        d, n, tn = by[("dense", t)], by[("nsa", t)], by.get(("torch_nsa", t), {})
         fr = d["flops_fwd"] / n["flops_fwd"]
         for op, key, peak, flop, byte in (
                 ("forward", "forward_s", "forward_peak_bytes", f"{fr:.1f}x", "-"),
@@ -273,9 +318,16 @@ def layer_markdown(result: dict[str, Any]) -> str:
             ds, ns = d.get(key), n.get(key)
             if ds is None and ns is None:
                 continue
-            lines.append(f"| {t} | {op} | {'skipped' if ds is None else f'{ds:.4f}'} | "
-                         f"{'-' if ns is None else f'{ns:.4f}'} | {_ratio(ds, ns)} | {flop} | "
-                         f"{byte} | {_gib(d.get(peak))} | {_gib(n.get(peak))} |")
+            ceiling = (d["flops_decode"] / n["flops_decode"] if op == "decode"
+                       else fr)
+            of_ceiling = "-" if ds is None or ns is None else f"{ds / ns / ceiling:.2f}"
+            line = (f"| {t} | {op} | {'skipped' if ds is None else f'{ds:.4f}'} | "
+                    f"{'-' if ns is None else f'{ns:.4f}'} | {_ratio(ds, ns)} | {flop} | "
+                    f"{of_ceiling} | {byte} | {_gib(d.get(peak))} | {_gib(n.get(peak))} |")
+            if torch_rows:
+                ts = tn.get(key)
+                line += f" {'-' if ts is None else f'{ts:.4f}'} | {_ratio(ts, ns)} |"
+            lines.append(line)
     return "\n".join(lines) + "\n"
 
 
@@ -384,7 +436,12 @@ def main(argv: list[str] | None = None) -> None:
                      choices=(None, "xla", "pallas_gpu", "pallas_tpu"))
     lay.add_argument("--ops", default="forward,backward,decode",
                      help="comma list of forward, backward (forward+backward), decode")
+    lay.add_argument("--dense-kernel", default="flash", choices=("flash", "auto"),
+                     help="flash: the dense layer through flash_attention at every length; auto: "
+                          "jax.nn.dot_product_attention where its logits fit in --dense-max-gb")
     lay.add_argument("--dense-max-gb", type=float, default=4.0)
+    lay.add_argument("--torch-nsa", action="store_true",
+                     help="also time lucidrains' native-sparse-attention-pytorch at these shapes")
     lay.add_argument("--out", default="runs/bench_nsa_layer")
     q = sub.add_parser("quality", help="dense vs NSA training at matched tokens")
     q.add_argument("--config", default="configs/nsa_tiny.py")

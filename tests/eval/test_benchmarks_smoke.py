@@ -18,6 +18,12 @@ def test_bench_kernels_toy(tmp_path):
     assert all("recurrent_speedup" in r for r in res["rows"] if r["op"] == "gdn")
     assert all(r["seconds"] > 0 for r in res["rows"])
     assert all("speedup_vs_dense" in r for r in res["rows"] if not r["op"].startswith("dense"))
+    assert res["meta"]["matmul_peak_flop_per_s"] > 0
+    assert all(r["peak_fraction"] > 0 for r in res["rows"])
+    # torch is in the dev extra (as in CI): its SDPA is timed on the same shapes, and dense_flash
+    # rows carry their time over torch's.
+    assert {("dense_torch", "fwd"), ("dense_torch", "fwd+bwd")} <= ops
+    assert all(r["vs_torch"] > 0 for r in res["rows"] if r["op"] == "dense_flash")
     assert (tmp_path / "results.md").exists() and (tmp_path / "time_vs_length.png").exists()
     # select_blocks' selections: no duplicate blocks, fewer keys attended than the nominal n * P
     # (early queries have fewer blocks), and FLOP/s counted from the keys actually attended.
