@@ -190,7 +190,8 @@ def _torch_dense_rows(torch, q, k, v, ct, run_host):
            "float16": torch.float16}[str(q.dtype)]
 
     def to_torch(x):
-        return torch.from_numpy(np.asarray(x, np.float32)).to(tdt).permute(0, 2, 1, 3).contiguous()
+        x = torch.from_numpy(np.array(x, np.float32))  # a writable copy
+        return x.to(tdt).permute(0, 2, 1, 3).contiguous()
 
     tq, tk, tv, tct = (to_torch(x) for x in (q, k, v, ct))
     gqa = q.shape[2] != k.shape[2]
@@ -434,9 +435,9 @@ def write_outputs(rows: list[dict], meta: dict, out_dir: Path) -> None:
                      f"{keys} | {r['timing']} |")
     lines += ["", "Ratios: each row against the fastest dense baseline of the same T and mode "
               "(torch SDPA included when torch is importable), measured in this invocation; "
-              "flash / torch: dense_flash's time over torch SDPA's (below 1: flash is faster). Sparse rows count FLOPs (GFLOP/s, FLOP ratio) from "
-              "the keys actually attended under select_blocks' selections, not the nominal "
-              "n * block."]
+              "flash / torch: dense_flash's time over torch SDPA's (below 1: flash is "
+              "faster). Sparse rows count FLOPs (GFLOP/s, FLOP ratio) from the keys actually "
+              "attended under select_blocks' selections, not the nominal n * block."]
     (out_dir / "results.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
@@ -506,7 +507,8 @@ def main(argv=None) -> int:
             rows += bench_length(T, args, impl)
     for r in rows:
         r["peak_fraction"] = r["flop_per_s"] / peak
-    meta = {"device": device, "matmul_peak_flop_per_s": peak, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+    meta = {"device": device, "matmul_peak_flop_per_s": peak,
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
             "dtype": args.dtype, "heads": args.heads, "kv_heads": args.kv_heads,
             "head_dim": args.head_dim, "block": args.block, "n": args.n,
             "command": "python -m aiinfra_jax.eval.bench_kernels " + " ".join(argv or sys.argv[1:])}

@@ -84,6 +84,22 @@ def test_bench_nsa_flops_table(tmp_path):
     assert "| 512 / 8 / 2 (64) |" in (tmp_path / "result.md").read_text()
 
 
+def test_bench_nsa_layer_table_ratios():
+    """The layer table: speed-up over the FLOP ratio (dense / NSA) and, when the torch NSA ran,
+    torch's time over ours, from the rows of one invocation."""
+    from aiinfra_jax.eval import bench_nsa
+
+    rows = [{"kind": "dense", "seq_len": 8192, "forward_s": 4.0, "fwd_bwd_s": 12.0,
+             "flops_fwd": 8.0, "flops_decode": 4.0, "bytes_decode": 8.0},
+            {"kind": "nsa", "seq_len": 8192, "forward_s": 1.0, "fwd_bwd_s": 4.0,
+             "flops_fwd": 2.0, "flops_decode": 1.0, "bytes_decode": 1.0},
+            {"kind": "torch_nsa", "seq_len": 8192, "forward_s": 10.0, "fwd_bwd_s": 60.0}]
+    md = bench_nsa.layer_markdown({"device": "cpu", "date": "d", "config": {}, "rows": rows})
+    assert "| 8192 | forward | 4.0000 | 1.0000 | 4.0x | 4.0x | 1.00 |" in md
+    assert "| 8192 | fwd+bwd | 12.0000 | 4.0000 | 3.0x | 4.0x | 0.75 |" in md
+    assert md.rstrip().splitlines()[-1].endswith("| 60.0000 | 15.0x |")
+
+
 def test_profile_step_toy(tmp_path):
     """The step profiler traces a toy train step and maps compiled ops back to JAX op names."""
     from aiinfra_jax.eval import profile_step
