@@ -85,7 +85,7 @@ def block_scores(q, k_cmp, lse_cmp, q_offset, q_segment_ids, *, seq_len: int, re
     g, r = hq // hkv, b * hkv
     l, d = remap.cmp_block_len, remap.cmp_stride
     nb = -(-seq_len // remap.block_size)
-    bq = min(block_q, -(-t // 8) * 8)
+    bq = min(block_q, t)  # (a decode step's one row is not padded to 8: no layout needs it)
     if block_k is None:
         block_k = 1 << max(min((TILE_ELEMENTS // (r * g * bq)).bit_length() - 1, 9), 5)
     bk = min(block_k, -(-sc // 8) * 8)
