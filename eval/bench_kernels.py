@@ -129,7 +129,8 @@ def attended_keys(block_indices, block: int) -> tuple[np.ndarray, int]:
 
 
 def _time(fn, args, repeats: int, long_call_s: float) -> tuple[float, int, str]:
-    """(median seconds, timed calls, note). fn is AOT-compiled, so compilation is never timed."""
+    """(median seconds, timed calls, note). fn is AOT-compiled, so compilation is never timed;
+    a synchronous host callable (torch) returning None is timed the same way."""
     t0 = time.perf_counter()
     jax.block_until_ready(fn(*args))
     first = time.perf_counter() - t0
@@ -139,22 +140,6 @@ def _time(fn, args, repeats: int, long_call_s: float) -> tuple[float, int, str]:
     for _ in range(repeats):
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), repeats, f"median of {repeats}"
-
-
-def _time_host(fn, repeats: int, long_call_s: float) -> tuple[float, int, str]:
-    """_time for a synchronous host callable (torch): one warm-up call, then the median."""
-    t0 = time.perf_counter()
-    fn()
-    if time.perf_counter() - t0 > long_call_s:
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0, 1, "1 call (long)"
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times), repeats, f"median of {repeats}"
 
@@ -263,7 +248,7 @@ def bench_length(T: int, args, impl: str | None) -> list[dict]:
                   f"({note})", flush=True)
 
     def run_host(op, mode, fn, flops, nbytes, baseline_note):
-        sec, calls, note = _time_host(fn, args.repeats, args.long_call_s)
+        sec, calls, note = _time(fn, (), args.repeats, args.long_call_s)
         rows.append({"op": op, "impl": "torch", "T": T, "mode": mode, "seconds": sec,
                      "timing": note, "flops": flops, "bytes": nbytes, "bytes_per_s": nbytes / sec,
                      "temp_bytes": -1, "baseline": baseline_note, "flop_per_s": flops / sec})

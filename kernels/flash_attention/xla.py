@@ -116,17 +116,17 @@ class _Prepared:
         return vis.reshape(self.b * self.hkv, self.g * self.bq, self.bk)
 
     def key_ranges(self, mask, i):
-        """Key tiles query tile i sees: [lo, hi), of which [f_lo, f_hi) whole (mask skipped);
-        no whole tiles under segment ids, which are data."""
+        """(lo, f_lo, f_hi, hi): query tile i sees key tiles [lo, hi), of which [f_lo, f_hi)
+        whole (mask skipped); no whole tiles under segment ids, which are data."""
         pos_lo, pos_hi = i * self.bq + self.off_lo, i * self.bq + self.bq - 1 + self.off_hi
         lo, hi = key_block_range(mask, pos_lo, pos_hi, self.bk, self.nk)
         if self.q_seg is not None:
             return lo, hi, hi, hi
         f_lo, f_hi = full_key_block_range(mask, pos_lo, pos_hi, self.bk, self.s, lo, hi)
-        return lo, hi, f_lo, f_hi
+        return lo, f_lo, f_hi, hi
 
     def query_ranges(self, mask, j):
-        """Query tiles that see key tile j: [lo, hi), of which [f_lo, f_hi) see it whole."""
+        """(lo, f_lo, f_hi, hi): query tiles [lo, hi) see key tile j, [f_lo, f_hi) whole."""
         k_first, k_last = j * self.bk, j * self.bk + self.bk - 1
         lo, hi = query_block_range(mask, k_first, k_last, self.off_lo, self.off_hi, self.bq,
                                    self.nq)
@@ -140,7 +140,7 @@ class _Prepared:
         _, f_hi = full_query_block_range(mask, k_first, k_last, self.off_hi, self.bq, lo, hi,
                                          padded)
         f_lo = jnp.minimum(f_lo, hi)
-        return lo, hi, f_lo, jnp.maximum(f_hi, f_lo)
+        return lo, f_lo, jnp.maximum(f_hi, f_lo), hi
 
 
 def _three_loops(body, lo, f_lo, f_hi, hi, carry):
@@ -176,7 +176,7 @@ def flash_attention_fwd(q, k, v, q_seg, kv_seg, off, *, mask: AttentionMask, sca
 
         rows = (p.b * p.hkv, p.g * p.bq)
         init = (jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows + (dv + 1,), jnp.float32))
-        m, acc = _three_loops(body, *_order(p.key_ranges(mask, i)), init)
+        m, acc = _three_loops(body, *p.key_ranges(mask, i), init)
         l = acc[..., dv]
         nonempty = l > 0
         o_c = acc[..., :dv] / jnp.where(nonempty, l, 1.0)[..., None]
@@ -188,11 +188,6 @@ def flash_attention_fwd(q, k, v, q_seg, kv_seg, off, *, mask: AttentionMask, sca
     o, lse = (jnp.moveaxis(x, 0, 2) for x in (o, lse))  # [R, G, nq, bq(, Dv)]
     o = o.reshape(o.shape[:2] + (p.tp, dv))
     return p.unheads_q(o), p.unheads_q(lse.reshape(lse.shape[:2] + (p.tp,)))
-
-
-def _order(ranges):
-    lo, hi, f_lo, f_hi = ranges
-    return lo, f_lo, f_hi, hi
 
 
 def flash_attention_bwd(q, k, v, q_seg, kv_seg, off, lse, delta, do, *, mask: AttentionMask,
@@ -235,7 +230,7 @@ def flash_attention_bwd(q, k, v, q_seg, kv_seg, off, lse, delta, do, *, mask: At
         dq_buf, dk_buf, dv_buf = bufs
         init = (jnp.zeros((p.b * p.hkv, p.bk, dk_dim), jnp.float32),
                 jnp.zeros((p.b * p.hkv, p.bk, dv_dim), jnp.float32), dq_buf)
-        dk, dv, dq_buf = _three_loops(body, *_order(p.query_ranges(mask, j)), init)
+        dk, dv, dq_buf = _three_loops(body, *p.query_ranges(mask, j), init)
         start = (0, j * p.bk, 0)
         return (dq_buf, lax.dynamic_update_slice(dk_buf, dk.astype(k.dtype), start),
                 lax.dynamic_update_slice(dv_buf, dv.astype(v.dtype), start))
