@@ -66,12 +66,12 @@ def depth_attention_cost(cfg) -> dict:
 
 def time_scheme(cfg, steps: int) -> dict:
     trainer, state, jeval, batch, train_times = timed_train_steps(cfg, steps)
-    params = state["params"]
-    jax.block_until_ready(jeval(params, batch))                      # compile + warm-up
+    args = (state["params"], batch, state.get("model_state"))
+    jax.block_until_ready(jeval(*args))                              # compile + warm-up
     fwd_times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        jax.block_until_ready(jeval(params, batch))
+        jax.block_until_ready(jeval(*args))
         fwd_times.append(time.perf_counter() - t0)
     model = nnx.merge(trainer.graphdef, trainer.abstract_params, trainer.rest)
     return {"train_step_s": statistics.median(train_times),

@@ -67,7 +67,7 @@ def profile(cfg, step: str, calls: int, out: Path) -> dict:
     if step == "train":
         fn, args = jtrain, (state, batch)
     else:
-        fn, args = jeval, (state["params"], batch)
+        fn, args = jeval, (state["params"], batch, state.get("model_state"))
     compiled = fn.lower(*args).compile()
     hlo = compiled.as_text()
 

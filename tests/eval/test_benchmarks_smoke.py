@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from aiinfra_jax.eval import bench_kernels, bench_train
 
 
@@ -100,12 +102,14 @@ def test_bench_nsa_layer_table_ratios():
     assert md.rstrip().splitlines()[-1].endswith("| 60.0000 | 15.0x |")
 
 
-def test_profile_step_toy(tmp_path):
-    """The step profiler traces a toy train step and maps compiled ops back to JAX op names."""
+@pytest.mark.parametrize("step", ["train", "eval"])
+def test_profile_step_toy(tmp_path, step):
+    """The step profiler traces a toy train (or eval) step and maps compiled ops back to JAX op
+    names."""
     from aiinfra_jax.eval import profile_step
 
     assert profile_step.main([
-        "--out", str(tmp_path), "--calls", "1", "--top", "3",
+        "--out", str(tmp_path), "--calls", "1", "--top", "3", "--step", step,
         "--set", "model.d_model=32", "--set", "model.n_layers=2", "--set", "model.n_heads=2",
         "--set", "model.n_kv_heads=1", "--set", "data.seq_len=32", "--set", "data.batch_size=4",
         "--set", "mesh.num_devices=1"]) == 0
@@ -113,6 +117,21 @@ def test_profile_step_toy(tmp_path):
     assert res["rows"] and res["total_op_seconds_per_call"] > 0
     assert any("dot_general" in r["op_name"] for r in res["rows"])  # the matmuls are found
     assert not any(r["op"].startswith(("while", "Pjit")) for r in res["rows"])
+
+
+def test_bench_attnres_overhead_toy(tmp_path):
+    """The overhead table times a train step and a forward per scheme and divides by standard's."""
+    from aiinfra_jax.eval import bench_attnres
+
+    assert bench_attnres.main([
+        "--skip-quality", "--deep-layers", "0", "--steps", "1", "--set", "model.d_model=32",
+        "--set", "model.n_heads=2", "--set", "model.n_kv_heads=1", "--set", "model.n_layers=2",
+        "--set", "model.attnres.n_blocks=2", "--set", "data.seq_len=16",
+        "--set", "data.batch_size=2", "--out-dir", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bench_attnres.json").read_text())["overhead"]
+    assert [r["residual"] for r in rows] == ["standard", "attnres_full", "attnres_block"]
+    assert rows[0]["train_ratio"] == 1.0
+    assert all(r["train_step_s"] > 0 and r["forward_s"] > 0 for r in rows)
 
 
 def test_bench_attnres_memory_toy(tmp_path):
