@@ -25,17 +25,19 @@ Conventions (the paper's "layer" is one sublayer: every attention mixer and ever
     norm. It lives in a small model-level module the Transformer builds through `make_final`.
 
 Layer scan: the carry is {"sources": [S,B,T,D] fixed-size buffer (S = J + 1 for Full, N + 1 for
-Block), "count": int32 []}: slot 0 holds the embedding, `count` counts the sublayers done plus one,
-and slots not yet written are masked (the kernels skip them), so one scanned layer body serves every
-depth. Cached decoding needs nothing extra: depth attention is per token, so each call rebuilds the
-carry from its own tokens' embeddings and decode equals the full forward.
+Block), "count": int32 []} (Block adds "partial" [B,T,D], the running sum of the current block):
+slot 0 holds the embedding, `count` counts the sublayers done plus one, and slots not yet written
+are masked (the kernels skip them), so one scanned layer body serves every depth. Cached decoding
+needs nothing extra: depth attention is per token, so each call rebuilds the carry from its own
+tokens' embeddings and decode equals the full forward.
 
-Memory note: under jax.lax.scan + autodiff the buffer is saved at every depth-attention call, i.e.
-O(L * S * B * T * D) for training (S = N + 1 is small for Block AttnRes; Full AttnRes grows
-quadratically with depth). With remat="full" the Transformer instead runs
-models/transformer.rebuilding_scan: it keeps the final buffer and one [B,T,D] slot per layer
-(snapshot / rebuild_carry below) and rebuilds each layer's input buffer in the backward:
-O((S + L) * B * T * D).
+Training memory and copies: plain autodiff through jax.lax.scan saves the buffer at every
+depth-attention call, O(L * S * B * T * D) (quadratic in depth for Full AttnRes), and copies it as
+often. Instead (cfg.attnres.rebuild, default on) the Transformer runs the scans of
+models/rebuilding.py, which keep the final buffer plus a small snapshot per sublayer (snapshot /
+rebuild_carry below) and read the final buffer in the backward: O((S + L) * B * T * D). With
+remat="none" each sublayer's own activations are kept as for the standard residual; with
+remat="full" each layer is recomputed.
 """
 
 from __future__ import annotations
@@ -61,6 +63,10 @@ class AttnResConfig:
     """Attention Residuals (arXiv 2603.15031) settings, used when residual is "attnres_*"."""
 
     n_blocks: int = 8  # Block AttnRes: layers are grouped into this many blocks
+    # Training through the layer scan: rebuild each layer's depth buffer from the final one in the
+    # backward instead of saving it per layer (models/rebuilding.py; remat "none" and "full").
+    # False: plain autodiff through the scan (more memory and copies; kept for comparison).
+    rebuild: bool = runtime_field(True)
     # Depth-attention kernel backend (models/config.py IMPLEMENTATIONS without "cudnn").
     implementation: str | None = runtime_field(None)
     interpret: bool = runtime_field(False)  # Pallas kernels in interpret mode (CPU tests, debugging)
@@ -141,6 +147,10 @@ class FullAttnRes(nnx.Module):
     def _query(self, k: int) -> jax.Array:
         return self.queries[...][k:k + 1]
 
+    @classmethod
+    def rebuilds(cls, cfg: ModelConfig) -> bool:
+        return cfg.attnres.rebuild
+
     def sublayer_input(self, carry: Carry, k: int) -> jax.Array:
         return depth_attention(self._query(k), carry["sources"], carry["count"],
                                eps=self.cfg.norm_eps,
@@ -153,29 +163,20 @@ class FullAttnRes(nnx.Module):
         src = jax.lax.dynamic_update_index_in_dim(src, out_btd.astype(src.dtype), carry["count"], 0)
         return {"sources": src, "count": carry["count"] + 1}
 
-    # Rebuilding the layer scan's carry (models/transformer.rebuilding_scan, used with remat="full"):
-    # at the start of a layer with `done` sublayers finished, slots 0 .. n (n = done // block
-    # length: the embedding and the finished blocks) already hold their final values, slot n + 1
-    # holds the current block's partial sum (Full: nothing yet) and later slots are zero. So the
-    # final buffer plus one [B,T,D] slot per layer rebuilds every layer's input exactly.
-    @classmethod
-    def _block_len(cls, cfg: ModelConfig) -> int:
-        del cfg
-        return 1
-
+    # Rebuilding the layer scan's carry (models/rebuilding.py): the buffer is write-once for every
+    # read. A sublayer reads only the slots below its count (Full) or the finished block summaries
+    # (Block, whose running partial sum lives in the carry's "partial", not in the buffer), and
+    # those hold their final values already; later slots are masked. So the final buffer stands
+    # in for the buffer any sublayer saw, and the snapshot is what the buffer does not hold.
     @classmethod
     def snapshot(cls, cfg: ModelConfig, carry: Carry) -> Carry:
-        n = (carry["count"] - 1) // cls._block_len(cfg)
-        slot = jax.lax.dynamic_index_in_dim(carry["sources"], n + 1, 0, keepdims=False)
-        return {"slot": slot, "count": carry["count"]}
+        del cfg
+        return {k: v for k, v in carry.items() if k != "sources"}
 
     @classmethod
     def rebuild_carry(cls, cfg: ModelConfig, final: Carry, snap: Carry) -> Carry:
-        src = final["sources"]
-        n = (snap["count"] - 1) // cls._block_len(cfg)
-        idx = jnp.arange(src.shape[0]).reshape((-1,) + (1,) * (src.ndim - 1))
-        rebuilt = jnp.where(idx <= n, src, jnp.where(idx == n + 1, snap["slot"][None], 0))
-        return {"sources": rebuilt.astype(src.dtype), "count": snap["count"]}
+        del cfg
+        return {"sources": final["sources"], **snap}
 
     @classmethod
     def finalize(cls, cfg: ModelConfig, carry: Carry) -> jax.Array:
@@ -188,8 +189,10 @@ class FullAttnRes(nnx.Module):
 
 @register_residual("attnres_block")
 class BlockAttnRes(FullAttnRes):
-    """Block AttnRes: slot 1 + n of the buffer holds block n's sum (partial while the block runs);
-    a sublayer attends over the finished slots, then merges the partial sum (two phases)."""
+    """Block AttnRes: slot 1 + n of the buffer holds block n's sum once the block is finished
+    (written, still partial, after every sublayer of the block; never read before it finishes);
+    the carry's "partial" holds the running sum of the current block. A sublayer attends over the
+    finished slots, then merges the partial sum (two phases)."""
 
     @classmethod
     def _check(cls, cfg: ModelConfig) -> None:
@@ -200,8 +203,9 @@ class BlockAttnRes(FullAttnRes):
         return cfg.attnres.n_blocks + 1
 
     @classmethod
-    def _block_len(cls, cfg: ModelConfig) -> int:
-        return block_length(cfg)
+    def init_carry(cls, cfg: ModelConfig, x_embed_btd: jax.Array) -> Carry:
+        carry = super().init_carry(cfg, x_embed_btd)
+        return {**carry, "partial": jnp.zeros_like(x_embed_btd)}
 
     def _position(self, carry: Carry) -> tuple[jax.Array, jax.Array]:
         """(block index n, index of this sublayer within its block)."""
@@ -211,21 +215,19 @@ class BlockAttnRes(FullAttnRes):
 
     def sublayer_input(self, carry: Carry, k: int) -> jax.Array:
         n, i = self._position(carry)
-        src = carry["sources"]
-        partial = jax.lax.dynamic_index_in_dim(src, n + 1, 0, keepdims=False)
-        return block_depth_attention(self._query(k), src, n + 1, partial, i > 0,
-                                     eps=self.cfg.norm_eps,
+        return block_depth_attention(self._query(k), carry["sources"], n + 1, carry["partial"],
+                                     i > 0, eps=self.cfg.norm_eps,
                                      implementation=self.cfg.attnres.implementation,
-                               interpret=self.cfg.attnres.interpret)[0]
+                                     interpret=self.cfg.attnres.interpret)[0]
 
     def update(self, carry: Carry, out_btd: jax.Array, k: int) -> Carry:
         del k
-        n, _ = self._position(carry)
+        n, i = self._position(carry)
         src = carry["sources"]
-        # The slot starts at zero (init_carry), so the first sublayer of a block just adds too.
-        slot = jax.lax.dynamic_index_in_dim(src, n + 1, 0, keepdims=False)
-        src = jax.lax.dynamic_update_index_in_dim(src, slot + out_btd.astype(src.dtype), n + 1, 0)
-        return {"sources": src, "count": carry["count"] + 1}
+        # The first sublayer of a block starts a new sum.
+        partial = jnp.where(i > 0, carry["partial"], 0) + out_btd.astype(src.dtype)
+        src = jax.lax.dynamic_update_index_in_dim(src, partial, n + 1, 0)
+        return {"sources": src, "count": carry["count"] + 1, "partial": partial}
 
 
 def attnres_flops_per_token(cfg: ModelConfig) -> float:

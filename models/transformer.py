@@ -45,6 +45,7 @@ from .auxiliary import pop_outputs
 from .layers import Embedding, OutputHead, RMSNorm
 from .partitioning import constrain
 from .registry import get_ffn, get_mixer, get_residual
+from .rebuilding import parameter_groups, rebuilding_scan, sublayer_scan
 from .short_conv import ShortConv
 
 Aux = dict[str, dict[str, jax.Array]]  # {"losses", "metrics", "intermediates"}
@@ -68,7 +69,20 @@ class Layer(nnx.Module):
 
     def __call__(self, carry: Any, cache: Any, *, positions: jax.Array,
                  segment_ids: jax.Array | None, rngs: nnx.Rngs | None = None) -> tuple[Any, Any]:
-        h = constrain(self.mixer_norm(self.residual.sublayer_input(carry, 0)), _BTD)
+        y, new_cache = self.mixer_sublayer(self.residual.sublayer_input(carry, 0), cache,
+                                           positions=positions, segment_ids=segment_ids)
+        carry = self.residual.update(carry, y, 0)
+        y = self.ffn_sublayer(self.residual.sublayer_input(carry, 1), segment_ids=segment_ids,
+                              rngs=rngs)
+        carry = self.residual.update(carry, y, 1)
+        return carry, new_cache
+
+    # The two sublayers on their own (models/rebuilding.sublayer_scan differentiates each
+    # separately; its _PARTS names the attributes each one uses).
+    def mixer_sublayer(self, x: jax.Array, cache: Any, *, positions: jax.Array,
+                       segment_ids: jax.Array | None) -> tuple[jax.Array, Any]:
+        """Sublayer 0: RMSNorm, [short convolution], mixer; x is the residual scheme's input."""
+        h = constrain(self.mixer_norm(x), _BTD)
         if self.short_conv is not None:
             h, conv_state = self.short_conv(h, segment_ids=segment_ids,
                                             state=None if cache is None else cache["conv"])
@@ -76,11 +90,13 @@ class Layer(nnx.Module):
         y, new_cache = self.mixer(h, positions=positions, segment_ids=segment_ids, cache=cache)
         if self.short_conv is not None and new_cache is not None:
             new_cache = {"mixer": new_cache, "conv": conv_state}
-        carry = self.residual.update(carry, constrain(y, _BTD), 0)
-        h = constrain(self.ffn_norm(self.residual.sublayer_input(carry, 1)), _BTD)
-        y = self.ffn(h, segment_ids=segment_ids, rngs=rngs)
-        carry = self.residual.update(carry, constrain(y, _BTD), 1)
-        return carry, new_cache
+        return constrain(y, _BTD), new_cache
+
+    def ffn_sublayer(self, x: jax.Array, *, segment_ids: jax.Array | None,
+                     rngs: nnx.Rngs | None) -> jax.Array:
+        """Sublayer 1: RMSNorm, FFN."""
+        h = constrain(self.ffn_norm(x), _BTD)
+        return constrain(self.ffn(h, segment_ids=segment_ids, rngs=rngs), _BTD)
 
     def init_cache(self, batch: int, max_len: int, dtype: Any) -> Any:
         mixer_cache = self.mixer.init_cache(batch, max_len, dtype)
@@ -139,71 +155,6 @@ def _init_block_states(cfg: ModelConfig, keys: jax.Array) -> nnx.State:
     """Parameters of R blocks, block r from keys[r], stacked on a leading axis (one compilation
     instead of many eager ops)."""
     return jax.vmap(lambda key: nnx.state(Block(cfg, rngs=nnx.Rngs(key))))(keys)
-
-
-def _split_inexact(tree):
-    """(float leaves or None, other leaves or None) of a pytree, for differentiating only the
-    former (a residual carry may hold integer counters)."""
-    is_float = lambda x: jnp.issubdtype(x.dtype, jnp.inexact)  # noqa: E731
-    floats = jax.tree.map(lambda x: x if is_float(x) else None, tree)
-    others = jax.tree.map(lambda x: None if is_float(x) else x, tree)
-    return floats, others
-
-
-def _merge_split(floats, others):
-    return jax.tree.map(lambda f, o: o if f is None else f, floats, others,
-                        is_leaf=lambda x: x is None)
-
-
-def rebuilding_scan(body, carry0, xs, extras, *, snapshot, rebuild):
-    """jax.lax.scan(body(carry, x, extras) -> (carry, aux)) whose backward does not keep every
-    step's carry: the forward saves snapshot(carry) per step (small) and the final carry; the
-    backward rebuilds step r's input carry as rebuild(final_carry, snapshot_r), recomputes the
-    step under jax.vjp and walks the steps in reverse. For residual schemes whose carry is a large
-    append-mostly buffer (Attention Residuals): memory O(buffer + steps * snapshot) instead of
-    O(steps * buffer), at the cost of recomputing each step's forward (remat="full" pays that
-    anyway). extras (positions, segment ids) get no gradient."""
-
-    @jax.custom_vjp
-    def run(carry0, xs, extras):
-        return jax.lax.scan(lambda c, x: body(c, x, extras), carry0, xs)
-
-    def fwd(carry0, xs, extras):
-        def step(c, x):
-            snap = snapshot(c)
-            c, aux = body(c, x, extras)
-            return c, (aux, snap)
-
-        carry, (aux, snaps) = jax.lax.scan(step, carry0, xs)
-        return (carry, aux), (carry, snaps, xs, extras)
-
-    def bwd(res, cts):
-        final, snaps, xs, extras = res
-        d_final, d_aux = cts
-
-        def step(d_carry_f, inp):
-            x, snap, da = inp
-            c_f, c_o = _split_inexact(rebuild(final, snap))
-            x_f, x_o = _split_inexact(x)
-
-            def f(cf, xf):
-                c2, aux = body(_merge_split(cf, c_o), _merge_split(xf, x_o), extras)
-                return _split_inexact(c2)[0], aux
-
-            _, vjp = jax.vjp(f, c_f, x_f)
-            d_c, d_x = vjp((d_carry_f, da))
-            return d_c, d_x
-
-        d_c0, d_xs = jax.lax.scan(step, _split_inexact(d_final)[0], (xs, snaps, d_aux),
-                                  reverse=True)
-        zeros_like = lambda t: jax.tree.map(  # noqa: E731
-            lambda a: None if a is None else jnp.zeros(jnp.shape(a), jax.dtypes.float0), t)
-        d_carry0 = _merge_split(d_c0, zeros_like(_split_inexact(carry0)[1]))
-        d_xs = _merge_split(d_xs, zeros_like(_split_inexact(xs)[1]))
-        return d_carry0, d_xs, None
-
-    run.defvjp(fwd, bwd)
-    return run(carry0, xs, extras)
 
 
 def _has_model_state(block: nnx.Module) -> bool:
@@ -319,10 +270,23 @@ class Transformer(nnx.Module):
             body = jax.checkpoint(body, policy=_remat_policy(cfg.remat),
                                   prevent_cse=not cfg.scan_layers, static_argnums=(4,))
 
-        rebuild = getattr(residual_cls, "rebuild_carry", None)
+        # Residual schemes with a rebuildable carry (models/rebuilding.py) skip saving it per layer.
+        rebuilds = getattr(residual_cls, "rebuilds", lambda cfg: False)(cfg)
+        rebuild = getattr(residual_cls, "rebuild_carry", None) if rebuilds else None
         template = self._block_template()
-        if (cfg.scan_layers and cache is None and cfg.remat == "full" and rebuild is not None
-                and not capture_intermediates and not _has_model_state(template)):
+        can_rebuild = (cfg.scan_layers and cache is None and rebuild is not None
+                       and not capture_intermediates and not _has_model_state(template))
+        if (can_rebuild and cfg.remat == "none"
+                and parameter_groups(nnx.split(self.blocks)[1]) is not None):
+            # Each sublayer keeps its own activations; the carry is rebuilt from the final one.
+            graphdef, state = nnx.split(self.blocks)
+            carry, (losses, metrics) = sublayer_scan(
+                graphdef, state, keys, carry, (positions, segment_ids),
+                snapshot=functools.partial(residual_cls.snapshot, cfg),
+                rebuild=functools.partial(rebuild, cfg))
+            stacked = {"losses": losses, "metrics": metrics, "intermediates": {}}
+            new_cache = None
+        elif can_rebuild and cfg.remat == "full":
             # Recomputing anyway (remat="full"), and the scheme can rebuild each layer's carry
             # from the final one: save a small snapshot per layer instead of the whole carry.
             graphdef, state = nnx.split(self.blocks)

@@ -19,6 +19,7 @@ from aiinfra_jax.generate import decode_step, prefill
 from aiinfra_jax.models import ModelConfig, Transformer
 from aiinfra_jax.models.attnres import BlockAttnRes, DepthAggregate, FullAttnRes
 from aiinfra_jax.models import AttnResConfig
+from aiinfra_jax.models.moe import MoEConfig
 
 # n_layers = 2: J = 4 sublayers (AttnRes layers).
 CFG = ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=32,
@@ -247,34 +248,51 @@ def test_tiny_training_run(tmp_path, residual):
         assert loss == pytest.approx(losses[step], rel=2e-5), step
 
 
-@pytest.mark.parametrize("residual,n_blocks", [("attnres_full", 2), ("attnres_block", 2),
-                                               ("attnres_block", 1)])
-def test_rebuilding_scan_gives_the_same_loss_and_gradients(residual, n_blocks, monkeypatch):
-    """remat="full" runs the layer scan through models/transformer.rebuilding_scan (each layer's
-    input buffer rebuilt from the final one in the backward); loss and every gradient equal plain
-    autodiff through the scan (remat="none"), with packed documents and random queries. Block with
-    n_blocks=1 keeps a partial sum across the layers, so the rebuilt slot is not just zeros."""
-    cfg = _cfg(residual, n_blocks=n_blocks, n_layers=4)
+@pytest.mark.parametrize("residual,n_blocks,remat,extra", [
+    ("attnres_full", 2, "full", {}), ("attnres_block", 2, "full", {}),
+    ("attnres_block", 1, "full", {}),
+    ("attnres_full", 2, "none", {}), ("attnres_block", 2, "none", {}),
+    ("attnres_block", 1, "none", {}),
+    # An MoE FFN (an auxiliary loss and router noise drawn from the training rngs), a short
+    # convolution before the mixer, and two layers per scanned block.
+    ("attnres_block", 4, "none", dict(ffns=("swiglu", "moe"), short_conv=4,
+                                      moe=MoEConfig(num_experts=4, top_k=2, router_noise=0.5)))])
+def test_rebuilding_scans_give_the_same_loss_and_gradients(residual, n_blocks, remat, extra,
+                                                           monkeypatch):
+    """Training with cfg.attnres.rebuild (the default) runs the layer scan through
+    models/rebuilding.py: rebuilding_scan under remat="full" (each layer recomputed), sublayer_scan
+    under remat="none" (each sublayer's own vjp kept, the depth reads and writes recomputed); both
+    read the final buffer in the backward. Loss, auxiliary loss and every gradient equal plain
+    autodiff through the scan (rebuild=False), with packed documents and random queries. Block with
+    n_blocks=1 keeps a partial sum across the layers."""
+    cfg = dataclasses.replace(_cfg(residual, n_blocks=n_blocks, n_layers=4, remat=remat), **extra)
     tokens, positions = _tokens(3)
     segs = jnp.asarray(np.repeat([[1, 1, 1, 2, 2, 2]], B, 0), jnp.int32)
     import aiinfra_jax.models.transformer as tf
+    name = "rebuilding_scan" if remat == "full" else "sublayer_scan"
     calls = []
-    real = tf.rebuilding_scan
-    monkeypatch.setattr(tf, "rebuilding_scan", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = getattr(tf, name)
+    monkeypatch.setattr(tf, name, lambda *a, **k: calls.append(1) or real(*a, **k))
     grads = {}
-    for remat in ("none", "full"):
-        model = Transformer(dataclasses.replace(cfg, remat=remat), rngs=nnx.Rngs(0))
+    for rebuild in (False, True):
+        c = dataclasses.replace(cfg, attnres=dataclasses.replace(cfg.attnres, rebuild=rebuild))
+        model = Transformer(c, rngs=nnx.Rngs(0))
         _randomize_queries(model, 1)
         graphdef, state = nnx.split(model)
 
         def loss(state):
-            logits = nnx.merge(graphdef, state)(tokens, positions=positions, segment_ids=segs)[0]
-            return jnp.mean(jax.nn.log_softmax(logits)[..., 0] ** 2)
+            logits, _, aux = nnx.merge(graphdef, state)(
+                tokens, positions=positions, segment_ids=segs, rngs=nnx.Rngs(7))
+            return (jnp.mean(jax.nn.log_softmax(logits)[..., 0] ** 2)
+                    + sum(aux["losses"].values(), 0.0)), aux["losses"]
 
-        grads[remat] = jax.jit(jax.value_and_grad(loss))(state)
-    assert calls, "remat='full' did not take the rebuilding scan"
-    (l0, g0), (l1, g1) = grads["none"], grads["full"]
+        grads[rebuild] = jax.jit(jax.value_and_grad(loss, has_aux=True))(state)
+        assert bool(calls) == rebuild, f"rebuild={rebuild}: {name} calls {calls}"
+    ((l0, aux0), g0), ((l1, aux1), g1) = grads[False], grads[True]
     assert _rel(l1, l0) < 1e-6
+    assert aux0.keys() == aux1.keys() and (bool(aux0) == ("moe" in cfg.ffns))
+    for k in aux0:
+        assert _rel(aux1[k], aux0[k]) < 1e-6, k
     flat0, flat1 = dict(nnx.to_flat_state(g0)), dict(nnx.to_flat_state(g1))
     assert flat0.keys() == flat1.keys()
     for path in flat0:
@@ -283,27 +301,21 @@ def test_rebuilding_scan_gives_the_same_loss_and_gradients(residual, n_blocks, m
         assert _rel(a, b) < 2e-5, (path, _rel(a, b))
 
 
-def test_rebuilding_scan_keeps_training_memory_linear_in_depth():
-    """Full AttnRes with remat="full": the compiled gradient's temporaries no longer hold one
-    buffer of 2L + 1 slots per layer (quadratic in depth); at 8 layers they fall well below the
-    plain scan's."""
+@pytest.mark.parametrize("remat", ["full", "none"])
+def test_rebuilding_scans_keep_training_memory_linear_in_depth(remat):
+    """Full AttnRes: with the rebuilding scans the compiled gradient's temporaries no longer hold
+    one buffer of 2L + 1 slots per layer (quadratic in depth); at 8 layers they fall well below
+    the plain scan's, with and without remat."""
     tokens, positions = _tokens(0)
 
     def temp_bytes(remat, rebuild):
         cfg = _cfg("attnres_full", n_layers=8, remat=remat)
+        cfg = dataclasses.replace(cfg, attnres=dataclasses.replace(cfg.attnres, rebuild=rebuild))
         model = Transformer(cfg, rngs=nnx.Rngs(0))
         graphdef, state = nnx.split(model)
-        if not rebuild:      # the plain scan under remat="full": hide the hook
-            cls = FullAttnRes
-            saved = cls.rebuild_carry
-            del cls.rebuild_carry
-        try:
-            fn = jax.jit(jax.grad(lambda s: jnp.sum(
-                nnx.merge(graphdef, s)(tokens, positions=positions)[0])))
-            return fn.lower(state).compile().memory_analysis().temp_size_in_bytes
-        finally:
-            if not rebuild:
-                cls.rebuild_carry = saved
+        fn = jax.jit(jax.grad(lambda s: jnp.sum(
+            nnx.merge(graphdef, s)(tokens, positions=positions)[0])))
+        return fn.lower(state).compile().memory_analysis().temp_size_in_bytes
 
-    plain, rebuilt = temp_bytes("full", False), temp_bytes("full", True)
+    plain, rebuilt = temp_bytes(remat, False), temp_bytes(remat, True)
     assert rebuilt < 0.6 * plain, (rebuilt, plain)
