@@ -18,8 +18,8 @@ Reduced size (a few CPU minutes):
    data, seed, batch and steps, so equal tokens); final validation loss (eval.final_batches =
    --eval-batches) and the training-loss curves -> a PNG and a JSON in --out-dir.
 3. With --memory: the compiled temporaries of each scheme's gradient (no optimizer) at the config's
-   batch shape, with remat "none" and "full" (under "full", AttnRes rebuilds each layer's depth
-   buffer from the final one: models/transformer.rebuilding_scan); nothing runs.
+   batch shape, with remat "none" and "full" (under both, AttnRes keeps one depth buffer and
+   rebuilds each layer's from the final one: models/rebuilding.py); nothing runs.
 The paper (at scale) reports < 4% training and < 2% inference overhead; small models may not gain
 in loss (reproductions at small depth disagree): the benchmark reports what it sees.
 """
