@@ -22,6 +22,11 @@ those inputs, then run the reverse recurrence; see the kernel modules), or, for 
 scan's VJP, recomputed. Everything else (prepare, the output reshaping) is JAX autodiff. Under a
 mesh the Pallas state pass and its backward run in a shard_map with batch split over the batch
 axes and value heads over "tensor" (kernels._sharding).
+
+A one-token call (T = 1, a decode step) skips all of that on every platform and implementation:
+it is one step of the recurrence in plain JAX (reference.py), a read and a write of the state. The
+chunked form would pad the token to a chunk of 8, solve its triangular system and run the state
+pass as a loop, whose loop state makes XLA copy the donated decode state first.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import numpy as np
 
 from .. import _dispatch, _sharding
 from . import pallas_gpu, pallas_tpu, xla
+from .reference import gated_delta_rule_reference
 
 OP = "gated_delta_rule"
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -78,7 +84,7 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, bet
         where the kernel cannot take the shapes), "xla", "pallas_gpu" or "pallas_tpu" (explicit
         choices raise when impossible; see kernels._dispatch). Selects the state pass and its
         backward only (see the module docstring); a "context" mesh axis > 1 is refused by the
-        Pallas kernels.
+        Pallas kernels. Not used when T = 1 (one recurrence step in plain JAX).
       interpret: run the Pallas kernel in interpret mode (any backend).
 
     Returns:
@@ -89,6 +95,11 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, bet
     _validate(q, k, v, g, beta, initial_state, segment_ids, scale, chunk_size)
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
+    if T == 1:  # a decode step: one step of the recurrence (module docstring)
+        o, state = gated_delta_rule_reference(q, k, v, g, beta, initial_state=initial_state,
+                                              segment_ids=segment_ids, scale=scale)
+        o = o.astype(q.dtype)
+        return (o, state) if output_final_state else o
     C = xla.chunk_length(T, int(chunk_size))
 
     def unsupported(impl):
