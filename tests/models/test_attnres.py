@@ -319,3 +319,22 @@ def test_rebuilding_scans_keep_training_memory_linear_in_depth(remat):
 
     plain, rebuilt = temp_bytes(remat, False), temp_bytes(remat, True)
     assert rebuilt < 0.6 * plain, (rebuilt, plain)
+
+
+def test_slot_write_matches_a_dynamic_update_slice_with_gradients():
+    """models/attnres._set_slot (a scatter in the forward, slice ops in its custom backward) equals
+    jax.lax.dynamic_update_index_in_dim in value and gradients, at every slot."""
+    from aiinfra_jax.models.attnres import _set_slot
+    buf = jax.random.normal(jax.random.key(0), (5, 2, 3, 4))
+    value = jax.random.normal(jax.random.key(1), (2, 3, 4))
+    weights = jax.random.normal(jax.random.key(2), buf.shape)
+    for i in range(5):
+        index = jnp.int32(i)
+        ours = jax.jit(jax.value_and_grad(
+            lambda b, v: jnp.sum(weights * _set_slot(b, index, v) ** 2), argnums=(0, 1)))
+        want = jax.value_and_grad(lambda b, v: jnp.sum(weights * jax.lax.dynamic_update_index_in_dim(
+            b, v, index, 0) ** 2), argnums=(0, 1))
+        (l0, (gb0, gv0)), (l1, (gb1, gv1)) = ours(buf, value), want(buf, value)
+        np.testing.assert_allclose(l0, l1, rtol=1e-6)
+        np.testing.assert_allclose(gb0, gb1, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(gv0, gv1, rtol=1e-6, atol=1e-7)
