@@ -48,6 +48,11 @@ Residual scheme -- a per-layer module `cls(cfg, *, rngs)` with
       Attention Residuals' final aggregation query) that replaces `finalize`; the Transformer
       stores it as `residual_final` and calls it with the carry.
   The carry is any pytree; it flows through the layer scan.
+  Optional, for a carry that is a large write-once buffer (Attention Residuals): classmethods
+  `rebuilds(cfg) -> bool`, `snapshot(cfg, carry) -> small pytree` and
+  `rebuild_carry(cfg, final_carry, snapshot) -> carry`; training then runs the layer scans of
+  models/rebuilding.py, which keep one buffer instead of one per layer (`update` and
+  `sublayer_input` must not report auxiliary outputs there).
 
 Auxiliary outputs (every kind): a component reports losses, metrics and diagnostic arrays from its
 `__call__` with models/auxiliary.py (`report_loss`, `report_metric`, `record`: Flax's `sow`); the
