@@ -225,19 +225,21 @@ def sublayer_scan(graphdef, states, keys, carry0, extras, *, snapshot: Callable,
     def run_fwd(carry0, states, keys):
         leaves = jax.tree.leaves(states)
         final, (outputs, saved) = jax.lax.scan(fwd_step, carry0, (leaves, keys))
-        return (final, outputs), (final, saved, leaves, keys, carry0)
+        # Only carry0's non-float leaves (the counter): its float part (the initial buffer) is
+        # not needed for the backward, and saving it would keep one more buffer alive.
+        return (final, outputs), (final, saved, leaves, keys, split_inexact(carry0)[1])
 
     def run_bwd(res, cts):
-        final, saved, all_leaves, keys, c0 = res
+        final, saved, all_leaves, keys, c0_others = res
         d_final, d_outputs = cts
 
         def bwd_step(d_c, inp):
             leaves, key, step_saved, d_out = inp
-            grads = [jnp.zeros_like(leaf) for leaf in leaves]
+            grads = [None] * len(leaves)
 
             def add(g, values):
                 for i, v in zip(idx(g), values):
-                    grads[i] = grads[i] + v
+                    grads[i] = v if grads[i] is None else grads[i] + v
 
             for (p, k), (snap, y, kept) in reversed(list(zip(order, step_saved))):
                 carry = rebuild(final, snap)
@@ -261,14 +263,15 @@ def sublayer_scan(graphdef, states, keys, carry0, extras, *, snapshot: Callable,
                 add((p, "res"), d_res_w)
                 add((p, "res"), d_res_r)
                 d_c = jax.tree.map(jnp.add, d_c_w, d_c_r)
-            return d_c, grads
+            return d_c, [jnp.zeros_like(leaf) if g is None else g
+                         for leaf, g in zip(leaves, grads)]
 
         d_c0, d_leaves = jax.lax.scan(
             bwd_step, split_inexact(d_final)[0], (all_leaves, keys, saved, d_outputs),
             reverse=True)
         d_states = jax.tree.unflatten(treedef, d_leaves)
         d_keys = None if keys is None else _float0_like(keys)
-        return _with_zero_others(d_c0, c0), d_states, d_keys
+        return merge_split(d_c0, _float0_like(c0_others)), d_states, d_keys
 
     run.defvjp(run_fwd, run_bwd)
     return run(carry0, states, keys)
