@@ -81,52 +81,65 @@ def _masked_exp(diff: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.where(mask, jnp.exp(jnp.where(mask, diff, 0.0)), 0.0)
 
 
-def _pairs_scalar(x, y, gam):
-    """[..., C, C]: (x_t . y_s) exp(gam_t - gam_s) for s <= t, 0 above the diagonal.
-    x, y [..., C, K]; gam [..., C] (one decay per position: GDN). Leading dims broadcast."""
-    C, K = x.shape[-2:]
-    shape = jnp.broadcast_shapes(x.shape[:-2], y.shape[:-2], gam.shape[:-1])
+def _pairs_scalar(xs, y, gam):
+    """For each x in xs, [..., C, C]: (x_t . y_s) exp(gam_t - gam_s) for s <= t, 0 above the
+    diagonal. x, y [..., C, K]; gam [..., C] (one decay per position: GDN); equal leading dims.
+    The decay matrix is built once for all xs, and no operand is stacked or broadcast (a stacked
+    [2, ...] operand cost XLA:CPU a concatenate and a broadcast copy of y, each as long as the
+    matmul, and their transposes in the backward)."""
+    C, K = y.shape[-2:]
+    shape = y.shape[:-2]
     # Leading dims flattened into one, as in _pairs_channel (an XLA:CPU crash with unit dims).
-    x, y = (jnp.broadcast_to(a, shape + (C, K)).reshape(-1, C, K) for a in (x, y))
-    gam = jnp.broadcast_to(gam, shape + (C,)).reshape(-1, C)
+    y = y.reshape(-1, C, K)
+    gam = gam.reshape(-1, C)
     tril = jnp.tril(jnp.ones((C, C), bool))
     decay = _masked_exp(gam[:, :, None] - gam[:, None, :], tril)
-    return (_mm("ltk,lsk->lts", x, y) * decay).reshape(shape + (C, C))
+    return tuple((_mm("ltk,lsk->lts", x.reshape(-1, C, K), y) * decay).reshape(shape + (C, C))
+                 for x in xs)
 
 
-def _pairs_channel(x, y, gam, c: int):
-    """[..., C, C]: sum_k x_t[k] y_s[k] exp(gam_t[k] - gam_s[k]) for s <= t, 0 above the diagonal.
-    x, y, gam [..., C, K] (per-channel decay: KDA), evaluated stably by sub-chunks of c (see the
-    module docstring): exactly over [c, c, K] within each sub-chunk, and for row sub-chunk i
-    against every earlier column s < i*c through the reference point r_i = i*c - 1. Leading dims
-    broadcast."""
-    C, K = x.shape[-2:]
+def _pairs_channel(xs, y, gam, c: int):
+    """For each x in xs, [..., C, C]: sum_k x_t[k] y_s[k] exp(gam_t[k] - gam_s[k]) for s <= t,
+    0 above the diagonal. x, y, gam [..., C, K] (per-channel decay: KDA), equal leading dims,
+    evaluated stably by sub-chunks of c (see the module docstring): exactly over [c, c, K] within
+    each sub-chunk, and for row sub-chunk i against every earlier column s < i*c through the
+    reference point r_i = i*c - 1. The exponentials of y's side are computed once for all xs."""
+    C, K = y.shape[-2:]
     n = C // c
-    shape = jnp.broadcast_shapes(x.shape[:-2], y.shape[:-2], gam.shape[:-2])
-    # The leading dims are broadcast and flattened into one: XLA:CPU (jaxlib 0.10.2) segfaulted
-    # running the backward of this function for leading dims (2, 1, 6) (a unit dim in the middle,
-    # e.g. B = 1), and not for (12,).
-    x, y, gam = (jnp.broadcast_to(a, shape + (C, K)).reshape(-1, C, K) for a in (x, y, gam))
-    lead = x.shape[:1]
-    xb, yb, gb = (a.reshape(lead + (n, c, K)) for a in (x, y, gam))
+    shape = y.shape[:-2]
+    # The leading dims are flattened into one: XLA:CPU (jaxlib 0.10.2) segfaulted running the
+    # backward of this function for leading dims (2, 1, 6) (a unit dim in the middle, e.g.
+    # B = 1), and not for (12,).
+    y, gam = (a.reshape(-1, C, K) for a in (y, gam))
+    xs = tuple(x.reshape(-1, C, K) for x in xs)
+    lead = y.shape[:1]
+    yb, gb = (a.reshape(lead + (n, c, K)) for a in (y, gam))
     # Within sub-chunks, exactly: [L, n, c, c] from a [L, n, c, c, K] product.
     tril = jnp.tril(jnp.ones((c, c), bool))[:, :, None]
+    # e times y is written to memory once ([..., n, c, c, K], 16x the size of q) and reduced once
+    # per x. Measured at T=2K, 16 heads of 128: XLA:CPU fuses neither an x-stacked product
+    # (its reduction then ran 6x slower) nor a per-x product (it wrote e once per x instead).
     e = _masked_exp(gb[..., :, None, :] - gb[..., None, :, :], tril)           # [..., n, c, c, K]
-    diag = jnp.sum(xb[..., :, None, :] * yb[..., None, :, :] * e, axis=-1)
-    out = (diag[..., :, :, None, :] * jnp.eye(n, dtype=x.dtype)[:, None, :, None]
-           ).reshape(lead + (C, C))                                              # block diagonal
+    ye = yb[..., None, :, :] * e
+    eye = jnp.eye(n, dtype=y.dtype)[:, None, :, None]
+    outs = []
+    for x in xs:
+        diag = jnp.sum(x.reshape(lead + (n, c, 1, K)) * ye, axis=-1)           # [..., n, c, c]
+        outs.append((diag[..., :, :, None, :] * eye).reshape(lead + (C, C)))  # block diagonal
     if n == 1:
-        return out.reshape(shape + (C, C))
+        return tuple(o.reshape(shape + (C, C)) for o in outs)
     # Row sub-chunk i against columns s < i*c: exp(gam_t - gam_r) * exp(gam_r - gam_s), r = i*c-1.
-    rows = [out[..., :c, :]]
+    rows = [[o[..., :c, :]] for o in outs]
     for i in range(1, n):
         g_r = gam[..., i * c - 1:i * c, :]                                     # [..., 1, K]
-        xf = xb[..., i, :, :] * jnp.exp(gb[..., i, :, :] - g_r)
         yf = y[..., :i * c, :] * jnp.exp(g_r - gam[..., :i * c, :])
-        off = _mm("...tk,...sk->...ts", xf, yf)                                 # [..., c, i*c]
-        rows.append(out[..., i * c:(i + 1) * c, :] + jnp.pad(
-            off, [(0, 0)] * (off.ndim - 1) + [(0, C - i * c)]))
-    return jnp.concatenate(rows, axis=-2).reshape(shape + (C, C))
+        e_row = jnp.exp(gb[..., i, :, :] - g_r)
+        for x, o, r in zip(xs, outs, rows):
+            xf = x.reshape(lead + (n, c, K))[..., i, :, :] * e_row
+            off = _mm("...tk,...sk->...ts", xf, yf)                             # [..., c, i*c]
+            r.append(o[..., i * c:(i + 1) * c, :] + jnp.pad(
+                off, [(0, 0)] * (off.ndim - 1) + [(0, C - i * c)]))
+    return tuple(jnp.concatenate(r, axis=-2).reshape(shape + (C, C)) for r in rows)
 
 
 @jax.custom_vjp
@@ -237,12 +250,12 @@ def prepare(q, k, v, g, beta, segment_ids, *, scale: float, chunk_size: int) -> 
     last = (doc == doc[..., -1:]).astype(f32)
 
     if kda:
-        A, M = _pairs_channel(jnp.stack([kc, qc]), kc, gam, c)
+        A, M = _pairs_channel((kc, qc), kc, gam, c)
         e_gam = jnp.exp(gam)                                            # [B,HV,N,C,K]
         e_end = jnp.exp(gam[..., -1:, :] - gam)
         decay = jnp.exp(gam[..., -1, :])                                # [B,HV,N,K]
     else:
-        A, M = _pairs_scalar(jnp.stack([kc, qc]), kc, gam)
+        A, M = _pairs_scalar((kc, qc), kc, gam)
         e_gam = jnp.exp(gam)[..., None]                                 # [B,HV,N,C,1]
         e_end = jnp.exp(gam[..., -1:] - gam)[..., None]
         decay = jnp.broadcast_to(jnp.exp(gam[..., -1:]), (B, HV, N, K))
@@ -253,10 +266,12 @@ def prepare(q, k, v, g, beta, segment_ids, *, scale: float, chunk_size: int) -> 
     qg = qc * e_gam * (first[..., None] * scale)
     kd = kc * e_end * last[..., None]
 
-    rhs = jnp.concatenate([vc, kg], axis=-1) * bc[..., None]
-    X = _mm("...ts,...sd->...td", unit_lower_inverse(L), rhs)
-    return Prepared(w=X[..., V:], u1=X[..., :V], qg=qg, m=M, kdt=jnp.swapaxes(kd, -1, -2),
-                    decay=decay, pad=pad)
+    # Two products with the inverse rather than one with [V | K exp(gam)] concatenated: XLA:CPU
+    # spent as long on that concatenate as on the product.
+    inv = unit_lower_inverse(L)
+    u1 = _mm("...ts,...sd->...td", inv, vc * bc[..., None])
+    w = _mm("...ts,...sd->...td", inv, kg * bc[..., None])
+    return Prepared(w=w, u1=u1, qg=qg, m=M, kdt=jnp.swapaxes(kd, -1, -2), decay=decay, pad=pad)
 
 
 def state_pass(w, u1, qg, m, kdt, decay, S0) -> tuple[jax.Array, jax.Array]:
