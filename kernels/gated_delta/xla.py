@@ -20,8 +20,8 @@ Everything but the three state products is independent of S0 and is computed for
 once (prepare); the scan (state_pass) does U = U1 - W S, O = Qg S + M U, S <- decay * S + Kd^T U
 per chunk; it is the part the Pallas kernels replace. Buffers are linear in T, never [T, T]: the
 largest are [B, HV, N, C, C] and, for KDA, the within-sub-chunk product [B, HV, N, n, c, c, K]
-(C * c * K per chunk, 16x the size of q at c = 16), which XLA fuses into its reduction in the
-forward; autodiff may keep it for the backward.
+(C * c * K per chunk, 16x the size of q at c = 16: exp(gam_t - gam_s) y_s, written once and
+reduced against k and q; autodiff keeps it for the backward).
 
 Stability: with g <= 0, gam is non-increasing, so every exponent used is <= 0. For GDN the decay
 matrix is exp(gam_t - gam_s), masked to s <= t before the exponential. For KDA the per-channel
