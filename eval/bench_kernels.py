@@ -35,6 +35,10 @@ Ops, at NSA's default shapes (one GQA group of 16 query heads over 1 KV head, bl
               when --ops names other ops but no dense one, the dense baseline is added (say
               --no-dense-baseline to skip it; the rows then carry no ratio).
 
+A program whose compiled temporaries exceed --max-temp-gb (default 60% of the host's memory) is
+not run, and results.md lists it: the recurrence's backward keeps one [H, K, V] state per step
+(16 heads of 128 at 16K: ~38 GiB).
+
 Reported per row: median time over --repeats timed calls after a warm-up call (calls longer than
 --long-call-s are timed once after compilation, and the row says so), achieved FLOP/s and bytes/s
 against the op's own FLOP and byte counts (kernels' *_flops / *_bytes helpers), the fraction of the
@@ -47,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -144,6 +149,14 @@ def _time(fn, args, repeats: int, long_call_s: float) -> tuple[float, int, str]:
     return statistics.median(times), repeats, f"median of {repeats}"
 
 
+def _host_memory_gib() -> float:
+    """Physical memory of this host in GiB (64 where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        return 64.0
+
+
 def matmul_peak(dtype, repeats: int = 5) -> float:
     """The machine's measured matmul FLOP/s in `dtype` through XLA: the best of square products
     of 1024 and 2048 (the reference for the "% peak" column; 4096 measured no higher here)."""
@@ -226,6 +239,7 @@ def bench_length(T: int, args, impl: str | None) -> list[dict]:
     v = jax.random.normal(kv, (B, T, Hkv, D), dt)
     ct = jax.random.normal(kc, (B, T, H, D), jnp.float32)
     rows = []
+    skipped = args.skipped
 
     def run(op: str, attn, flops_f, flops_b, bytes_f, bytes_b, baseline_note="", kv=(k, v),
             actual=None, extra=None):
@@ -235,6 +249,13 @@ def bench_length(T: int, args, impl: str | None) -> list[dict]:
         for mode in ("fwd", "fwd+bwd"):
             call_args = (q, *kv) if mode == "fwd" else (q, *kv, ct)
             fn, temp = _compile(attn if mode == "fwd" else _fwd_bwd(attn), *call_args)
+            if temp > args.max_temp_gb * 2**30:
+                why = (f"{op} {mode} at T={T}: not run, its compiled program needs "
+                       f"{temp / 2**30:.1f} GiB of temporaries (--max-temp-gb "
+                       f"{args.max_temp_gb:g})")
+                print(f"  {why}", flush=True)
+                skipped.append(why)
+                continue
             sec, calls, note = _time(fn, call_args, args.repeats, args.long_call_s)
             flops = flops_f if mode == "fwd" else flops_f + flops_b
             nbytes = bytes_f if mode == "fwd" else bytes_f + bytes_b
@@ -427,6 +448,7 @@ def write_outputs(rows: list[dict], meta: dict, out_dir: Path) -> None:
               "flash / torch: dense_flash's time over torch SDPA's (below 1: flash is "
               "faster). Sparse rows count FLOPs (GFLOP/s, FLOP ratio) from the keys actually "
               "attended under select_blocks' selections, not the nominal n * block."]
+    lines += [f"Not run: {why}." for why in meta.get("skipped", [])]
     (out_dir / "results.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
@@ -468,12 +490,17 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--long-call-s", type=float, default=10.0)
     ap.add_argument("--dense-materialise-gb", type=float, default=1.0)
+    ap.add_argument("--max-temp-gb", type=float, default=0.6 * _host_memory_gib(),
+                    help="skip (and list) a program whose compiled temporaries exceed this "
+                    "(default: 60%% of the host's memory), e.g. the recurrence's backward, "
+                    "which keeps one state per step")
     ap.add_argument("--no-dense-baseline", action="store_true",
                     help="do not add the dense baseline when --ops names none (no ratios then)")
     ap.add_argument("--no-torch", action="store_true",
                     help="skip torch's scaled_dot_product_attention even when torch is importable")
     ap.add_argument("--out-dir", default="runs/bench_kernels")
     args = ap.parse_args(argv)
+    args.skipped = []
     args.ops = [o.strip() for o in args.ops.split(",")]
     rated = [o for o in args.ops if o != "dense"]
     if rated and "dense" not in args.ops:
@@ -500,6 +527,7 @@ def main(argv=None) -> int:
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
             "dtype": args.dtype, "heads": args.heads, "kv_heads": args.kv_heads,
             "head_dim": args.head_dim, "block": args.block, "n": args.n,
+            "skipped": args.skipped,
             "command": "python -m aiinfra_jax.eval.bench_kernels " + " ".join(argv or sys.argv[1:])}
     out = Path(args.out_dir)
     write_outputs(rows, meta, out)

@@ -181,3 +181,15 @@ def test_bench_moe_quality_parts():
             np.testing.assert_array_equal(ffn.w_gate[...], stacked[0])
         times = bench_moe.time_ffn(ffn, 32, [1, 3], (2, 8), repeats=1)
         assert set(times["decode"]) == {1, 3} and times["train"] > 0
+
+
+def test_bench_kernels_skips_a_program_over_the_memory_limit(tmp_path):
+    """A program whose compiled temporaries exceed --max-temp-gb is listed, not run."""
+    assert bench_kernels.main(["--lengths", "64", "--heads", "1", "--head-dim", "8",
+                               "--repeats", "1", "--ops", "gdn_rec", "--no-dense-baseline",
+                               "--max-temp-gb", "1e-9", "--out-dir", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["rows"] == []
+    assert [s.split(":")[0] for s in res["meta"]["skipped"]] == ["gdn_rec fwd at T=64",
+                                                                  "gdn_rec fwd+bwd at T=64"]
+    assert "Not run: gdn_rec fwd+bwd at T=64" in (tmp_path / "results.md").read_text()
