@@ -3,7 +3,11 @@ and KDA, each a tiny preset trained the same 300 steps x 16 x 256 tokens of the 
 dense and NSA with a short convolution as controls.
 
     python -m aiinfra_jax.eval.bench_recurrent [--out-dir runs/bench_recurrent] [--long 1024]
+        [--matched]
     make bench-recurrent
+
+--matched trains MATCHED_RUNS instead (into runs/bench_recurrent_matched by default): the five
+models at one parameter count (the hybrid preset's), dense and NSA with the short convolution.
 
 Trains (or reads, when an earlier invocation finished them) the seven runs with validation every 50
 steps (QUALITY_RUNS; 7-27 min each on 2 cores), then prints, and writes to --out-dir as
@@ -39,6 +43,17 @@ QUALITY_RUNS = (  # name, preset, overrides
     ("nsa_conv", "nsa_tiny.py", ["model.short_conv=4"]),
 )
 
+# --matched: every model at the hybrid preset's 3.83M parameters (each within 0.1%, by the FFN
+# width alone), dense and NSA with the width-4 short convolution the gated-delta mixers carry.
+MATCHED_PARAMS = 3_832_548
+MATCHED_RUNS = (
+    ("dense_conv", "tiny.py", ["model.short_conv=4", "model.d_ff=925"]),
+    ("nsa_conv", "nsa_tiny.py", ["model.short_conv=4", "model.d_ff=566"]),
+    ("gdn", "gdn_tiny.py", ["model.d_ff=749"]),
+    ("hybrid", "hybrid_tiny.py", []),
+    ("kda", "kda_tiny.py", ["model.d_ff=708"]),
+)
+
 
 def main(argv=None) -> int:
     from aiinfra_jax.eval.perplexity import evaluate_checkpoint
@@ -51,11 +66,16 @@ def main(argv=None) -> int:
                     "length evaluation (0: skip it)")
     ap.add_argument("--long-batches", type=int, default=8)
     ap.add_argument("--only", default="", help="comma-separated run names (default: all)")
+    ap.add_argument("--matched", action="store_true", help="the parameter-matched set "
+                    "(MATCHED_RUNS) instead of the presets as they are")
     args = ap.parse_args(argv)
+    if args.matched and args.out_dir == ap.get_default("out_dir"):
+        args.out_dir += "_matched"
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     extra = ["eval.every=50"] + ([f"run.steps={args.steps}"] if args.steps else [])
-    chosen = [r for r in QUALITY_RUNS if not args.only or r[0] in args.only.split(",")]
+    chosen = [r for r in (MATCHED_RUNS if args.matched else QUALITY_RUNS)
+              if not args.only or r[0] in args.only.split(",")]
     runs = {name: train_or_read(name, preset, out, extra + over) for name, preset, over in chosen}
     for r in runs.values():
         summary = json.loads((Path(r["run_dir"]) / "summary.json").read_text())
@@ -70,7 +90,8 @@ def main(argv=None) -> int:
               "runs": runs}
     (out / "bench_recurrent.json").write_text(json.dumps(result, indent=1))
     plot_curves(runs, out / "bench_recurrent.png",
-                title="Dense vs NSA vs GDN vs GDN+NSA hybrid vs KDA, tiny presets",
+                title="Dense vs NSA vs GDN vs GDN+NSA hybrid vs KDA, "
+                + ("3.83M parameters each" if args.matched else "tiny presets"),
                 xlabel="training step (16 x 256 tokens)")
     steps = sorted({s for r in runs.values() for s, _ in r["val"]})
     print("\n| model | params | " + " | ".join(f"val @{s}" for s in steps)
