@@ -98,6 +98,47 @@ def _pairs_scalar(xs, y, gam):
                  for x in xs)
 
 
+def _sub_chunk_exp(gb):
+    """[L, n, c, c, K]: exp(gam_t - gam_s) for s <= t within each sub-chunk, 0 above."""
+    c = gb.shape[-2]
+    tril = jnp.tril(jnp.ones((c, c), bool))[:, :, None]
+    return _masked_exp(gb[..., :, None, :] - gb[..., None, :, :], tril)
+
+
+@jax.custom_vjp
+def _sub_chunk_pairs(xs, yb, gb):
+    """For each x in xs, [L, n, c, c]: sum_k x_t[k] y_s[k] exp(gam_t[k] - gam_s[k]) for s <= t
+    within each sub-chunk, exactly, over a [L, n, c, c, K] product (16x the size of q at c = 16).
+    x, yb, gb [L, n, c, K]. exp(gam_t - gam_s) y_s is written once and reduced against every x:
+    XLA:CPU fused neither an x-stacked product (its reduction ran 6x slower, measured at T=2K, 16
+    heads of 128) nor a per-x product (it wrote the exponentials once per x instead). The VJP is
+    written out below, recomputing the exponentials, because autodiff kept and re-read several
+    [L, n, c, c, K] tensors (KDA's backward took 2.2x GDN's, and 12 GiB of temporaries at 16K)."""
+    ye = yb[..., None, :, :] * _sub_chunk_exp(gb)
+    return tuple(jnp.sum(x[..., :, None, :] * ye, axis=-1) for x in xs)
+
+
+def _sub_chunk_pairs_fwd(xs, yb, gb):
+    return _sub_chunk_pairs(xs, yb, gb), (xs, yb, gb)
+
+
+def _sub_chunk_pairs_bwd(res, dds):
+    """With e = exp(gam_t - gam_s) (s <= t) and each output D = sum_k x_t y_s e:
+    dx_t = sum_s dD_ts e_ts y_s;  dy_s = sum_t e_ts sum_x dD_ts x_t;
+    dgam = sum_x x dx - y dy (d e_ts / d gam_t = e_ts = -d e_ts / d gam_s), all per channel k."""
+    xs, yb, gb = res
+    e = _sub_chunk_exp(gb)
+    ye = yb[..., None, :, :] * e
+    dxs = tuple(jnp.sum(ye * dd[..., None], axis=-2) for dd in dds)
+    px = sum(dd[..., None] * x[..., :, None, :] for dd, x in zip(dds, xs))
+    dy = jnp.sum(px * e, axis=-3)
+    dg = sum(x * dx for x, dx in zip(xs, dxs)) - yb * dy
+    return dxs, dy, dg
+
+
+_sub_chunk_pairs.defvjp(_sub_chunk_pairs_fwd, _sub_chunk_pairs_bwd)
+
+
 def _pairs_channel(xs, y, gam, c: int):
     """For each x in xs, [..., C, C]: sum_k x_t[k] y_s[k] exp(gam_t[k] - gam_s[k]) for s <= t,
     0 above the diagonal. x, y, gam [..., C, K] (per-channel decay: KDA), equal leading dims,
@@ -115,17 +156,9 @@ def _pairs_channel(xs, y, gam, c: int):
     lead = y.shape[:1]
     yb, gb = (a.reshape(lead + (n, c, K)) for a in (y, gam))
     # Within sub-chunks, exactly: [L, n, c, c] from a [L, n, c, c, K] product.
-    tril = jnp.tril(jnp.ones((c, c), bool))[:, :, None]
-    # e times y is written to memory once ([..., n, c, c, K], 16x the size of q) and reduced once
-    # per x. Measured at T=2K, 16 heads of 128: XLA:CPU fuses neither an x-stacked product
-    # (its reduction then ran 6x slower) nor a per-x product (it wrote e once per x instead).
-    e = _masked_exp(gb[..., :, None, :] - gb[..., None, :, :], tril)           # [..., n, c, c, K]
-    ye = yb[..., None, :, :] * e
     eye = jnp.eye(n, dtype=y.dtype)[:, None, :, None]
-    outs = []
-    for x in xs:
-        diag = jnp.sum(x.reshape(lead + (n, c, 1, K)) * ye, axis=-1)           # [..., n, c, c]
-        outs.append((diag[..., :, :, None, :] * eye).reshape(lead + (C, C)))  # block diagonal
+    diags = _sub_chunk_pairs(tuple(x.reshape(lead + (n, c, K)) for x in xs), yb, gb)
+    outs = [(d[..., :, :, None, :] * eye).reshape(lead + (C, C)) for d in diags]  # block diagonal
     if n == 1:
         return tuple(o.reshape(shape + (C, C)) for o in outs)
     # Row sub-chunk i against columns s < i*c: exp(gam_t - gam_r) * exp(gam_r - gam_s), r = i*c-1.
