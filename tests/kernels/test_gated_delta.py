@@ -175,7 +175,7 @@ def test_pallas_state_pass_backward_matches_xla_vjp(module, kda):
 def test_no_state_leak_across_documents(kda):
     """Document 2 of a packed row equals document 2 run alone (outputs and final state), and
     document 1 equals its own run from the initial state. Weak decays, so that a leak would show.
-    Chunks of 32 (two KDA sub-chunks), also checked against the reference."""
+    Chunks of 32 (four KDA sub-chunks), also checked against the reference."""
     seed = _seed()
     T1 = 40                                 # the boundary falls inside the second chunk of 32
     (q, k, v, g, beta, h0), _, _ = _inputs(seed, B=1, T=2 * T1, H=1, HV=2, K=16, V=16, kda=kda,
