@@ -87,14 +87,16 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import Any, Collection, Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
 from aiinfra_jax import checksums as cks
-from aiinfra_jax.config import canonical_section, runtime_keys
+from aiinfra_jax.checkpoint_compat import (IncompatibleCheckpointError, check_compatible,
+                                           config_differences, first_structure_mismatch,
+                                           flatten_by_path, json_normalise, to_abstract)
 from aiinfra_jax.errors import UserError
 
 __all__ = [
@@ -127,169 +129,9 @@ class CorruptCheckpointError(UserError, RuntimeError):
     """A committed checkpoint cannot be read (missing or damaged files)."""
 
 
-class IncompatibleCheckpointError(UserError, ValueError):
-    """A readable checkpoint does not fit the current run (config or state structure differs)."""
-
-
 class NoCheckpointError(UserError, FileNotFoundError, ValueError):
     """A checkpoint directory is missing (opened read-only) or holds no committed checkpoint; a
     FileNotFoundError for the CLIs' handlers and a ValueError as ``restore`` always raised."""
-
-
-# --------------------------------------------------------------------------------------------------
-# Config compatibility
-# --------------------------------------------------------------------------------------------------
-
-_MISSING = "<missing>"
-
-
-def _json_normalise(value: Any) -> Any:
-    """What ``value`` becomes after a JSON round trip (tuples -> lists, int keys -> str keys)."""
-    return json.loads(json.dumps(value))
-
-
-def _flatten_dict(value: Any, prefix: str) -> dict[str, Any]:
-    if isinstance(value, dict):
-        if not value:
-            return {prefix: {}}
-        flat: dict[str, Any] = {}
-        for key, sub in value.items():
-            flat.update(_flatten_dict(sub, f"{prefix}.{key}"))
-        return flat
-    return {prefix: value}
-
-
-def _canonical(config: dict, section: str) -> Any:
-    """``config[section]`` as this version writes it (``canonical_section``), so a checkpoint from
-    before a setting was added or renamed compares equal where nothing really changed."""
-    value = config.get(section, _MISSING)
-    return canonical_section(section, value) if isinstance(value, dict) else value
-
-
-def config_differences(saved_config: dict, config: dict, sections: Sequence[str], *,
-                       skip: Collection[str] = (), only: Collection[str] | None = None
-                       ) -> list[str]:
-    """One line per dotted key of ``sections`` whose value differs between ``saved_config`` and
-    ``config`` (compared after a JSON round trip, so a tuple equals the list it was saved as);
-    keys in ``skip`` are left out, and with ``only`` just those keys are compared."""
-    if isinstance(sections, str):
-        raise TypeError(f"sections must be a sequence of section names, got the string {sections!r}")
-    saved = _json_normalise(saved_config)
-    current = _json_normalise(config)
-    if not isinstance(saved, dict) or not isinstance(current, dict):
-        raise TypeError(
-            f"configs must be dicts, got {type(saved_config).__name__} and {type(config).__name__}"
-        )
-    diffs: list[str] = []
-    for section in sections:
-        old = _flatten_dict(_canonical(saved, section), section)
-        new = _flatten_dict(_canonical(current, section), section)
-        for key in sorted(set(old) | set(new)):
-            if key in skip or (only is not None and key not in only):
-                continue
-            old_value, new_value = old.get(key, _MISSING), new.get(key, _MISSING)
-            if old_value != new_value:
-                diffs.append(f"  {key}: checkpoint {old_value!r}, current {new_value!r}")
-    return diffs
-
-
-def check_compatible(
-    saved_config: dict,
-    config: dict,
-    sections: Sequence[str] = ("model",),
-    *,
-    source: str = "the checkpoint",
-) -> None:
-    """Raises ``IncompatibleCheckpointError`` if ``saved_config`` and ``config`` differ in ``sections``
-    in anything but run-time settings (``runtime_keys``: kernel implementation, remat, compute
-    dtype, ...), whose differences are logged instead.
-
-    The error lists every differing dotted key (``config_differences``) with its saved
-    ("checkpoint") and current value; ``source`` names where ``saved_config`` came from.
-    """
-    runtime = runtime_keys()
-    allowed = config_differences(saved_config, config, sections, only=runtime)
-    if allowed:
-        logger.warning("%s: run-time settings differ from the saved ones (allowed):\n%s", source,
-                       "\n".join(allowed))
-    diffs = config_differences(saved_config, config, sections, skip=runtime)
-    if diffs:
-        raise IncompatibleCheckpointError(
-            f"{source} was written with a different {'/'.join(sections)} config than the current run; "
-            f"{len(diffs)} key(s) differ:\n" + "\n".join(diffs) + "\n"
-            "Fix: run with the checkpoint's settings (they are saved in its 'config' item), or start "
-            "the new configuration in a fresh checkpoint directory."
-        )
-
-
-# --------------------------------------------------------------------------------------------------
-# Tree helpers
-# --------------------------------------------------------------------------------------------------
-
-
-def _key_name(key: Any) -> str:
-    for attr in ("key", "idx", "name"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def _path_str(path: tuple) -> str:
-    return "/".join(_key_name(k) for k in path) or "<root>"
-
-
-def _flatten_by_path(tree: Any) -> dict[str, Any]:
-    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return {_path_str(path): leaf for path, leaf in leaves}
-
-
-def _to_abstract(abstract_state: Any) -> Any:
-    """Checks ``abstract_state`` leaves and turns concrete ``jax.Array`` leaves into ShapeDtypeStructs."""
-
-    def convert(path: tuple, leaf: Any) -> jax.ShapeDtypeStruct:
-        if isinstance(leaf, jax.Array):
-            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
-        if isinstance(leaf, jax.ShapeDtypeStruct):
-            if getattr(leaf, "sharding", None) is None:
-                raise ValueError(
-                    f"abstract_state leaf {_path_str(path)!r} has no sharding; build it as "
-                    "jax.ShapeDtypeStruct(shape, dtype, sharding=...) (or pass the initialised state) "
-                    "so the checkpoint is restored onto the intended devices"
-                )
-            return leaf
-        raise TypeError(
-            f"abstract_state leaf {_path_str(path)!r} is a {type(leaf).__name__}; expected "
-            "jax.ShapeDtypeStruct (with .sharding) or jax.Array"
-        )
-
-    return jax.tree_util.tree_map_with_path(convert, abstract_state)
-
-
-def _first_structure_mismatch(saved: dict[str, Any], wanted: dict[str, Any]) -> str | None:
-    """Describes the first path where the saved metadata and the wanted abstract state differ."""
-    problems: list[str] = []
-    for path, want in wanted.items():
-        if path not in saved:
-            problems.append(f"{path!r} is in the current state but not in the checkpoint")
-            continue
-        have = saved[path]
-        have_shape = tuple(getattr(have, "shape", ()) or ())
-        if have_shape != tuple(want.shape):
-            problems.append(f"{path!r} has shape {have_shape} in the checkpoint, {tuple(want.shape)} now")
-            continue
-        have_dtype = getattr(have, "dtype", None)
-        if have_dtype is not None and np.dtype(have_dtype) != np.dtype(want.dtype):
-            problems.append(
-                f"{path!r} has dtype {np.dtype(have_dtype).name} in the checkpoint, "
-                f"{np.dtype(want.dtype).name} now"
-            )
-    for path in saved:
-        if path not in wanted:
-            problems.append(f"{path!r} is in the checkpoint but not in the current state")
-    if not problems:
-        return None
-    more = f" (and {len(problems) - 1} more mismatching path(s))" if len(problems) > 1 else ""
-    return problems[0] + more
 
 
 # --------------------------------------------------------------------------------------------------
@@ -356,7 +198,7 @@ class Checkpointer:
         if not isinstance(config, dict):
             raise TypeError(f"config must be a JSON-able dict, got {type(config).__name__}")
         try:
-            self._config = _json_normalise(config)
+            self._config = json_normalise(config)
         except (TypeError, ValueError) as e:
             raise ValueError(f"config must be JSON-serialisable to be stored in checkpoints: {e}") from e
 
@@ -489,10 +331,10 @@ class Checkpointer:
         if data_state is not None and not isinstance(data_state, dict):
             raise TypeError(f"data_state must be a JSON-able dict or None, got {type(data_state).__name__}")
         try:
-            data_item = _json_normalise({"data_state": data_state})
+            data_item = json_normalise({"data_state": data_state})
         except (TypeError, ValueError) as e:
             raise ValueError(f"data_state must be JSON-serialisable: {e}") from e
-        for path, leaf in _flatten_by_path(state).items():
+        for path, leaf in flatten_by_path(state).items():
             if not isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
                 raise TypeError(
                     f"state leaf {path!r} is a {type(leaf).__name__}; the checkpointed state must be a "
@@ -503,7 +345,7 @@ class Checkpointer:
         checksums = {
             "format": _CHECKSUM_FORMAT,
             "algorithm": _CHECKSUM_ALGORITHM,
-            "arrays": cks.state_checksums(_flatten_by_path(state)),
+            "arrays": cks.state_checksums(flatten_by_path(state)),
             "items": {_ITEM_DATA: cks.json_crc32(data_item),
                       _ITEM_CONFIG: cks.json_crc32(self._config)},
         }
@@ -669,8 +511,8 @@ class Checkpointer:
         except Exception as e:  # orbax/tensorstore raise many types; all mean "cannot read"
             text = str(e).split(" [tensorstore_spec", 1)[0].strip()
             return "unreadable", f"{type(e).__name__}: {text[:200]}"
-        bad, _ = cks.check_arrays(_flatten_by_path(host), checksums["arrays"])
-        missing = sorted(set(checksums["arrays"]) - set(_flatten_by_path(host)))
+        bad, _ = cks.check_arrays(flatten_by_path(host), checksums["arrays"])
+        missing = sorted(set(checksums["arrays"]) - set(flatten_by_path(host)))
         bad += [f"array {path!r} is missing" for path in missing]
         for name in (_ITEM_DATA, _ITEM_CONFIG):
             if cks.json_crc32(items[name]) != checksums["items"].get(name):
@@ -683,7 +525,7 @@ class Checkpointer:
                          data_item: dict | None = None) -> bool:
         """Checks arrays restored from ``step`` (and its data item) against its checksums; raises
         CorruptCheckpointError on a mismatch; True when every array was checked."""
-        bad, unchecked = cks.check_arrays(_flatten_by_path(tree), checksums["arrays"])
+        bad, unchecked = cks.check_arrays(flatten_by_path(tree), checksums["arrays"])
         bad, never = cks.gathered_problems(bad, unchecked)
         if (data_item is not None
                 and cks.json_crc32(data_item) != checksums["items"].get(_ITEM_DATA)):
@@ -794,7 +636,7 @@ class Checkpointer:
         ``CorruptCheckpointError`` for unreadable or damaged files.
         """
         step, saved_config, checksums = self._checked_step(step, compare)
-        wanted = _to_abstract(abstract_state)
+        wanted = to_abstract(abstract_state)
         self._check_structure(step, wanted, partial=False)
 
         # The arrays and the data-pipeline state.
@@ -827,7 +669,7 @@ class Checkpointer:
         state is never read). Same checks and errors as ``restore`` for what it reads (the arrays
         read are checked against their checksums)."""
         step, saved_config, checksums = self._checked_step(step, compare)
-        wanted = _to_abstract(abstract_subtree)
+        wanted = to_abstract(abstract_subtree)
         self._check_structure(step, wanted, partial=True)
         restore_args = jax.tree.map(
             lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape,
@@ -900,12 +742,12 @@ class Checkpointer:
             raise self._corrupt(step, "cannot read the metadata of its 'state' item", e) from e
         if metadata is None:
             raise self._corrupt(step, "the metadata of its 'state' item (state/_METADATA) is missing")
-        saved_leaves = _flatten_by_path(getattr(metadata, "tree", metadata))
-        wanted_leaves = _flatten_by_path(wanted)
+        saved_leaves = flatten_by_path(getattr(metadata, "tree", metadata))
+        wanted_leaves = flatten_by_path(wanted)
         if partial:
             tops = {path.split("/", 1)[0] for path in wanted_leaves}
             saved_leaves = {p: v for p, v in saved_leaves.items() if p.split("/", 1)[0] in tops}
-        mismatch = _first_structure_mismatch(saved_leaves, wanted_leaves)
+        mismatch = first_structure_mismatch(saved_leaves, wanted_leaves)
         if mismatch is not None:
             raise IncompatibleCheckpointError(
                 f"checkpoint step {step} at {self._step_dir(step)} does not match the state to restore "
