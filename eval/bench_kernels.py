@@ -19,7 +19,8 @@ Ops, at NSA's default shapes (one GQA group of 16 query heads over 1 KV head, bl
   compressed  flash_attention over the T/16 compressed keys above with the compressed-causal mask
   select      select_blocks (scores from q, the compressed keys and lse; top-n), forward only
   gdn, kda    gated_delta_rule, chunkwise (H = HV = --heads value and query/key heads, K = V =
-              --head-dim, L2-normalised q/k, log-decays logsigmoid(N(0,1))/16, beta sigmoid(N));
+              --head-dim, L2-normalised q/k, log-decays logsigmoid(N(0,1))/16, beta sigmoid(N);
+              fwd+bwd differentiates q, k, v, g and beta, as a training step does);
               gdn_rec / kda_rec: the same through the step-by-step float32 recurrence
               (kernels/gated_delta/reference.py), the baseline of the chunked form's speed-up
               (`recurrent_speedup` on the chunked rows). Their speed-up over dense causal
@@ -221,12 +222,13 @@ def _compile(f, *args):
     return compiled, temp
 
 
-def _fwd_bwd(attn):
-    """Gradients for q, k, v; the arguments between v and the cotangent (gated delta's g, beta)
-    are inputs without gradients."""
+def _fwd_bwd(attn, n_diff: int = 3):
+    """Gradients for the first n_diff arguments (q, k, v; gated delta: also g and beta, which a
+    training step differentiates too); the others before the cotangent are inputs without
+    gradients."""
     def loss(q, k, v, *rest):
         return jnp.sum(attn(q, k, v, *rest[:-1]).astype(jnp.float32) * rest[-1])
-    return jax.grad(loss, argnums=(0, 1, 2))
+    return jax.grad(loss, argnums=tuple(range(n_diff)))
 
 
 def bench_length(T: int, args, impl: str | None) -> list[dict]:
@@ -242,13 +244,13 @@ def bench_length(T: int, args, impl: str | None) -> list[dict]:
     skipped = args.skipped
 
     def run(op: str, attn, flops_f, flops_b, bytes_f, bytes_b, baseline_note="", kv=(k, v),
-            actual=None, extra=None):
+            actual=None, extra=None, n_diff=3):
         """Times fwd and fwd+bwd. actual: (forward, backward) FLOPs of the work really done when
         it is below the nominal count (sparse: the keys actually attended); FLOP/s and the FLOP
         ratio then use it. extra: fields copied into both rows."""
         for mode in ("fwd", "fwd+bwd"):
             call_args = (q, *kv) if mode == "fwd" else (q, *kv, ct)
-            fn, temp = _compile(attn if mode == "fwd" else _fwd_bwd(attn), *call_args)
+            fn, temp = _compile(attn if mode == "fwd" else _fwd_bwd(attn, n_diff), *call_args)
             if temp > args.max_temp_gb * 2**30:
                 why = (f"{op} {mode} at T={T}: not run, its compiled program needs "
                        f"{temp / 2**30:.1f} GiB of temporaries (--max-temp-gb "
@@ -417,7 +419,7 @@ def _bench_gated_delta(op: str, T: int, args, impl: str | None, *, run_gd, rng_k
                  for bw in (False, True)]
     nbytes = [gated_delta_bytes(B, T, H, H, D, D, itemsize=dt.itemsize, per_channel=kda,
                                 backward=bw) for bw in (False, True)]
-    run_gd(op, attn, *flops, *nbytes, kv=(kd, vd, g, beta))
+    run_gd(op, attn, *flops, *nbytes, kv=(kd, vd, g, beta), n_diff=5)
 
 
 def write_outputs(rows: list[dict], meta: dict, out_dir: Path) -> None:
