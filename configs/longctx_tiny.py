@@ -6,7 +6,9 @@ reached by training its checkpoint on in two more stages (configs/longctx_tiny_m
 5500, configs/longctx_tiny_wordkeys.py to step 7500, about 4.5 h in all): **92.5 / 33.4 / 20.0%**
 at 512 / 1k / 2k, 94.2% at 512 on a larger fresh grid. Dense trained like this preset: 72.2 / 27.2
 / 7.5%. With a 256-token window (the fourth to eighth attempts) NSA stayed at 30-37%, needles
-beyond ~130 tokens lost. Scores: eval/BENCHMARKS.md, issue 5.
+beyond ~130 tokens lost. Gated DeltaNet (--set model.mixers=gdn) and the GDN/NSA hybrid trained
+like this preset learn no retrieval at all (0% on every task, copy stage included; issue 22): the
+recipe is made for attention. Scores: eval/BENCHMARKS.md, issues 5 and 22.
 
 A byte-level decoder (4 layers, d_model 128, 4 query heads over 2 KV heads, NSA mixer, a short
 convolution of width 4 before every mixer) trained at 512 tokens, 3000 steps of 8 x 512 tokens, in
