@@ -78,7 +78,7 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, bet
       scale: output scale, default K ** -0.5.
       chunk_size: chunk length C of the chunkwise algorithm, a positive multiple of 8 (default 64;
         a sequence shorter than C uses one chunk of T rounded up to 8). KDA splits chunks into
-        sub-chunks of gcd(C, 8).
+        sub-chunks of 8 positions (xla.SUB_CHUNK).
       output_final_state: also return the state after position T-1.
       implementation: None (best for the platform the call is lowered for, falling back to "xla"
         where the kernel cannot take the shapes), "xla", "pallas_gpu" or "pallas_tpu" (explicit

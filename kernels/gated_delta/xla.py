@@ -63,10 +63,12 @@ from .._util import pad_axis
 from .reference import document_index
 
 _HI = jax.lax.Precision.HIGHEST
-# KDA sub-chunk length c (gcd with the chunk length). 8 rather than 16: at T=2K, 16 heads of 128,
-# forward+backward 971 against 2156 ms and 1.1 against 1.8 GiB of temporaries, forward 431 against
-# 406 ms (quiet 2-core CPU, 2026-12-03): the [c, c, K] products halve, the extra inter-sub-chunk
-# matmuls are cheap.
+# KDA sub-chunk length c (gcd with the chunk length, a multiple of 8: so c = 8). 8 rather than 16:
+# at T=2K, 16 heads of 128, forward+backward with gradients for q, k, v and g 971 against 2156 ms
+# and 1.1 against 1.8 GiB of temporaries, forward 431 against 406 ms (quiet 2-core CPU,
+# 2026-12-03, one scratch process timing both): the [c, c, K] products and their gate gradients
+# halve, the extra inter-sub-chunk matmuls are cheap. With q, k, v gradients only, the time did
+# not move at 2K (eval/BENCHMARKS.md, issue 22).
 SUB_CHUNK = 8
 
 
