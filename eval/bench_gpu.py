@@ -15,11 +15,12 @@ and timings against cuDNN and the XLA path, forward and forward+backward, in one
 It imports JAX, NumPy and this library's kernels only (never grain, datasets or the trainer), so
 it runs where nothing else of the project is installed.
 
-Parity. Every kernel folder with a pallas_gpu.py (kernels/<op>/) has cases here; one that has
-none is reported as a failing row. Each case draws fresh random inputs (the seed is printed; --seed
-repeats it), runs the kernel with implementation="pallas_gpu" (natively; --interpret for interpret
-mode) and its float32 reference (kernels/<op>/reference.py), forward and gradients through
-jax.vjp with random cotangents, at moderate shapes (--tiny: the unit tests' shapes). The metric
+Parity. Every kernel folder with a pallas_gpu.py (kernels/<op>/) has cases in eval/gpu_parity.py;
+one that has none is reported as a failing row. Each case draws fresh random inputs (the seed is
+printed; --seed repeats it), runs the kernel with implementation="pallas_gpu" (natively;
+--interpret for interpret mode) and its float32 reference (kernels/<op>/reference.py), forward
+and gradients through jax.vjp with random cotangents, at moderate shapes (--tiny: the unit
+tests' shapes). The metric
 and tolerances are the kernel tests' (tests/kernels): the relative error of each whole tensor,
 ||actual - expected|| / ||expected||, against kernels._testing.TOLERANCES (float32 2e-5, bfloat16
 1.5e-2) and, for gated_delta, its test's 1e-4 / 5e-3; leapquant (decode only: no gradients) its
@@ -98,27 +99,19 @@ import numpy as np
 
 from aiinfra_jax.eval.bench_kernels import (CMP_LEN, CMP_STRIDE, attended_keys, nsa_selection,
                                             parse_lengths)
-from aiinfra_jax.kernels import _testing
-from aiinfra_jax.kernels.block_selection import Remap, block_scores, block_scores_reference
+from aiinfra_jax.eval.gpu_parity import errors, parity_cases
 from aiinfra_jax.kernels.block_selection import select_blocks
-from aiinfra_jax.kernels.depth_attention import depth_attention, depth_attention_reference
+from aiinfra_jax.kernels.depth_attention import depth_attention
 from aiinfra_jax.kernels.depth_attention.cost import cost_estimate as depth_cost
 from aiinfra_jax.kernels.flash_attention import (AttentionMask, flash_attention,
-                                                 flash_attention_bytes, flash_attention_flops,
-                                                 flash_attention_reference)
-from aiinfra_jax.kernels.gated_delta import gated_delta_rule, gated_delta_rule_reference
+                                                 flash_attention_bytes, flash_attention_flops)
+from aiinfra_jax.kernels.gated_delta import gated_delta_rule
 from aiinfra_jax.kernels.gated_delta.cost import gated_delta_bytes, gated_delta_flops
 from aiinfra_jax.kernels.sparse_attention import (sparse_attention, sparse_attention_bytes,
-                                                  sparse_attention_flops,
-                                                  sparse_attention_reference)
+                                                  sparse_attention_flops)
 
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
 _INVOKED = ("python -m aiinfra_jax.eval.bench_gpu" if __package__ else "python eval/bench_gpu.py")
-# tests/kernels/test_gated_delta.py's TOLERANCES (the chunked form against the step-by-step
-# recurrence); every other kernel uses kernels._testing.TOLERANCES.
-GATED_DELTA_TOLERANCES = {"float32": 1e-4, "bfloat16": 5e-3}
-# tests/kernels/test_leapquant.py: the quantized record form against the dense reference.
-LEAPQUANT_TOLERANCE = 2e-3
 TIMED_OPS = ("flash", "window", "compressed", "sparse", "select", "gdn", "kda", "depth")
 # How each op's time grows with T (for predicting a row from the same row at another length).
 GROWTH = {"flash": 2, "window": 1, "compressed": 2, "sparse": 1, "select": 2, "gdn": 1, "kda": 1,
@@ -230,282 +223,9 @@ def _time(fn, args, repeats: int, row_max_s: float, min_sample_s: float):
     return statistics.median(times), note
 
 
-# ----------------------------------------------------------------------------------------------
-# Parity: each case returns [(tensor name, actual, expected)] and extra checks [(what, ok)].
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    kernel: str        # the kernels/ folder
-    name: str
-    dtype: str
-    shape: str
-    run: Callable      # (rng, pallas_kw, compile options) -> (pairs, checks)
-    tol: float
-
-
-def _normal(rng, shape, dtype=jnp.float32, scale=1.0):
-    return jnp.asarray(rng.standard_normal(shape).astype(np.float32) * scale).astype(dtype)
-
-
-def _run_vjp(fn, primals, cotangent, cot_inputs, opts):
-    """fn's outputs and the gradients of every primal, in one jit; cotangent(outputs,
-    *cot_inputs) -> the cotangents (their inputs are arguments, not baked-in constants)."""
-    def go(primals, cot_inputs):
-        out, vjp = jax.vjp(fn, *primals)
-        return tuple(out) + tuple(vjp(cotangent(out, *cot_inputs)))
-    jit_kw = {"compiler_options": opts} if opts else {}
-    return jax.jit(go, **jit_kw)(tuple(primals), tuple(cot_inputs))
-
-
-def _parity_flash(mask, B, T, S, Hq, Hkv, D, dtype, segments):
-    def run(rng, pallas, opts):
-        q, k, v = (_normal(rng, (B, n, h, D), dtype) for n, h in ((T, Hq), (S, Hkv), (S, Hkv)))
-        do = _normal(rng, (B, T, Hq, D))
-        seg = None
-        if segments:
-            seg = jnp.asarray(np.sort(rng.integers(0, 4, (B, T)), axis=1), jnp.int32)
-        cot = lambda out, do: (do.astype(out[0].dtype), jnp.zeros_like(out[1]))  # noqa: E731
-        kern = lambda q, k, v: flash_attention(q, k, v, mask=mask, segment_ids=seg,  # noqa: E731
-                                               return_lse=True, **pallas)
-        ref = lambda q, k, v: flash_attention_reference(q, k, v, mask=mask,  # noqa: E731
-                                                        segment_ids=seg)
-        got = _run_vjp(kern, (q, k, v), cot, (do,), opts)
-        want = _run_vjp(ref, (q, k, v), cot, (do,), opts)
-        return list(zip(("o", "lse", "dq", "dk", "dv"), got, want)), []
-    return run
-
-
-def _parity_sparse(B, T, S, Hkv, G, D, P, n, dtype):
-    def run(rng, pallas, opts):
-        q = _normal(rng, (B, T, Hkv * G, D), dtype)
-        k, v = _normal(rng, (B, S, Hkv, D), dtype), _normal(rng, (B, S, Hkv, D), dtype)
-        do = _normal(rng, (B, T, Hkv * G, D))
-        nb = -(-S // P)
-        idx = rng.integers(-1, nb, (B, T, Hkv, n))
-        idx[..., 1] = idx[..., 0]                   # a repeated block counts once
-        idx[:, -1, :, 0] = nb - 1                   # the last (partial) block
-        idx[..., -1] = 0                            # the first block, for every query
-        idx[0, 0, 0, :] = -1                        # one query sees nothing (lse = -inf)
-        idx = jnp.asarray(idx, jnp.int32)
-
-        def cot(out, do):
-            o, lse = out
-            dlse = jnp.where(jnp.isfinite(lse), 0.5, 0.0) * jnp.cos(
-                jnp.arange(lse.size, dtype=jnp.float32)).reshape(lse.shape)
-            return do.astype(o.dtype), dlse
-        f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-        kern = lambda q, k, v: sparse_attention(q, k, v, idx, block_size=P,  # noqa: E731
-                                                return_lse=True, **pallas)
-        ref = lambda q, k, v: sparse_attention_reference(f32(q), f32(k), f32(v),  # noqa: E731
-                                                         idx, block_size=P)
-        got = _run_vjp(kern, (q, k, v), cot, (do,), opts)
-        want = _run_vjp(ref, (q, k, v), cot, (do,), opts)
-        return list(zip(("o", "lse", "dq", "dk", "dv"), got, want)), []
-    return run
-
-
-def _parity_block_selection(b, t, seq_len, hkv, g, dk, l, d, lp, remap, dtype, offsets, segments,
-                            n_sel):
-    def run(rng, pallas, opts):
-        sc = (seq_len - l) // d + 1
-        q = _normal(rng, (b, t, hkv * g, dk), dtype)
-        k_cmp, v_cmp = (_normal(rng, (b, sc, hkv, dk), dtype) for _ in range(2))
-        off = jnp.asarray(offsets, jnp.int32)
-        seg = (jnp.asarray(np.sort(rng.integers(0, 3, (b, t)), axis=1), jnp.int32)
-               if segments else None)
-        jit = lambda f: jax.jit(f, **({"compiler_options": opts} if opts else {}))  # noqa: E731
-        lse = jit(lambda q, k, v: flash_attention(
-            q, k, v, mask=AttentionMask(compressed=(l, d)), q_offset=off, return_lse=True,
-            implementation="xla")[1])(q, k_cmp, v_cmp)
-        kw = dict(seq_len=seq_len, cmp_block_len=l, cmp_stride=d, block_size=lp, remap=remap,
-                  q_offset=off, q_segment_ids=seg)
-        got = jit(lambda q, k, lse: block_scores(q, k, lse, **kw, **pallas))(q, k_cmp, lse)
-        want = jit(lambda q, k, lse: block_scores_reference(
-            q, k, lse, seq_len=seq_len, remap=Remap(remap, l, d, lp), scale=dk ** -0.5,
-            q_offset=off, q_segment_ids=seg))(q, k_cmp, lse)
-        kw.pop("remap")
-        sel = {impl: np.asarray(jit(lambda q, k, lse: select_blocks(
-            q, k, lse, n_selected=n_sel, remap=remap, **kw, **impl_kw))(q, k_cmp, lse))
-            for impl, impl_kw in (("pallas", pallas), ("xla", {"implementation": "xla"}))}
-        agree = float(np.mean(sel["pallas"] == sel["xla"]))
-        # as tests/kernels/test_block_selection.py: the kernels' rounding may flip a near-tie
-        return [("scores", got, want)], [(f"select_blocks agrees with xla on {agree:.2%} of "
-                                          f"slots (>= 99%)", agree >= 0.99)]
-    return run
-
-
-def _parity_depth(Q, S, B, T, D, dtype, n_valid):
-    def run(rng, pallas, opts):
-        q, src, do, dlse = _testing.depth_attention_inputs(rng, Q=Q, S=S, B=B, T=T, D=D,
-                                                           dtype=dtype, n_valid=n_valid)
-        n = jnp.int32(n_valid)
-        cot = lambda out, do, dlse: (do.astype(out[0].dtype), dlse)  # noqa: E731
-        kern = lambda q, s: depth_attention(q, s, n, return_lse=True, **pallas)  # noqa: E731
-        ref = lambda q, s: depth_attention_reference(q, s.astype(jnp.float32), n)  # noqa: E731
-        got = _run_vjp(kern, (q, src), cot, (do, dlse), opts)
-        want = _run_vjp(ref, (q, src), cot, (do, dlse), opts)
-        unused_zero = bool(np.all(np.asarray(got[3][n_valid:], np.float32) == 0))
-        return (list(zip(("o", "lse", "dq", "dsources"), got, want)),
-                [("unused slots get zero gradient", unused_zero)])
-    return run
-
-
-def _segments(B: int, T: int) -> np.ndarray:
-    """Documents as in tests/kernels/test_gated_delta.py, scaled to T: boundaries inside chunks,
-    a repeated id (three documents), a padding run (id 0) in the middle."""
-    seg = np.ones((B, T), np.int32)
-    a, b, c = T // 5, T // 2, T // 2 + max(T // 20, 1)
-    seg[0, a:b], seg[0, b:c] = 2, 0
-    if B > 1:
-        seg[1, :], seg[1, T - 10:] = 3, 4
-    return seg
-
-
-def _parity_gated_delta(B, T, H, HV, K, V, kda, strong, dtype, chunk):
-    def run(rng, pallas, opts):
-        normal = lambda *s: rng.normal(size=s).astype(np.float32)            # noqa: E731
-        unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)       # noqa: E731
-        q, k = unit(normal(B, T, H, K)), unit(normal(B, T, H, K))
-        g = -np.logaddexp(0.0, -normal(*((B, T, HV, K) if kda else (B, T, HV))))
-        g = g * (10.0 if strong else 1 / 16)
-        beta = 1 / (1 + np.exp(-normal(B, T, HV)))
-        h0 = jnp.asarray(normal(B, HV, K, V))
-        seg = jnp.asarray(_segments(B, T))
-        do, dstate = jnp.asarray(normal(B, T, HV, V)), jnp.asarray(normal(B, HV, K, V))
-        primals = (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(normal(B, T, HV, V),
-                                                                            dtype),
-                   jnp.asarray(g, jnp.float32), jnp.asarray(beta, jnp.float32), h0)
-        cot = lambda out, do, ds: (do.astype(out[0].dtype), ds)  # noqa: E731
-        kern = lambda *a: gated_delta_rule(*a[:5], initial_state=a[5], segment_ids=seg,  # noqa
-                                           chunk_size=chunk, output_final_state=True, **pallas)
-        ref = lambda *a: gated_delta_rule_reference(*a[:5], initial_state=a[5],  # noqa: E731
-                                                    segment_ids=seg)
-        got = _run_vjp(kern, primals, cot, (do, dstate), opts)
-        want = _run_vjp(ref, primals, cot, (do, dstate), opts)
-        names = ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state")
-        return list(zip(names, got, want)), []
-    return run
-
-
-def _parity_leapquant(B, T, H, HV, K, V, kda, window, rank):
-    """LeapQuant decode (int8 states) with the Pallas window read against the dense float32
-    reference (reference.py re-quantizes at the same steps; the kernel test allows 2e-3 there,
-    where float rounding flips an integer), and against the XLA decode at the same 2e-3: it too
-    re-quantizes at every window end, so an integer can flip between the two reads (seen: 1.2e-4
-    on one seed, 8e-8 on a rerun of it; the read alone is held to float32 rounding by
-    tests/kernels/test_leapquant.py). Forward only: decoding has no gradient."""
-    def run(rng, pallas, opts):
-        # imported here: a kernel still being written breaks its own row, not the script
-        from aiinfra_jax.kernels.leapquant import (LeapQuantSpec, encode_state, leapquant_decode,
-                                                   leapquant_decode_reference, materialize)
-        normal = lambda *s: rng.standard_normal(s).astype(np.float32)       # noqa: E731
-        unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)      # noqa: E731
-        gshape = (B, T, HV, K) if kda else (B, T, HV)
-        rate = np.exp(rng.uniform(np.log(1e-2), np.log(0.3), gshape[2:]))
-        args = tuple(jnp.asarray(x) for x in (
-            unit(normal(B, T, H, K)), unit(normal(B, T, H, K)), normal(B, T, HV, V),
-            (-rate * np.exp(0.3 * normal(*gshape))).astype(np.float32),
-            1 / (1 + np.exp(-normal(B, T, HV)))))
-        S0 = jnp.asarray(normal(B, HV, K, V))
-        spec = LeapQuantSpec(fmt="int8", window=window, rank=rank)
-        jit_kw = {"compiler_options": opts} if opts else {}
-
-        def decode(impl):
-            def f(S0, q, k, v, g, beta):
-                state = encode_state(spec, S0, decay_dim=K if kda else 1)
-                o, state = leapquant_decode(q, k, v, g, beta, state, spec=spec, **impl)
-                return o, materialize(state)
-            return jax.jit(f, **jit_kw)(S0, *args)
-
-        got, xla = decode(pallas), decode({"implementation": "xla"})
-        want = jax.jit(leapquant_decode_reference, static_argnums=0, **jit_kw)(spec, S0, *args)
-        vs_xla = max(_testing.rel_err(a, e) for a, e in zip(got, xla))
-        return ([("o", got[0], want[0]), ("state", got[1], want[1])],
-                [(f"the XLA decode gives the same: rel err {vs_xla:.1e} "
-                  f"(<= {LEAPQUANT_TOLERANCE:.0e})", vs_xla <= LEAPQUANT_TOLERANCE)])
-    return run
-
-
-def parity_cases(tiny: bool) -> list[Case]:
-    """Moderate shapes on a GPU; --tiny: the unit tests' shapes (interpret mode on a CPU)."""
-    tol = lambda dt: _testing.TOLERANCES[dt]  # noqa: E731
-    gtol = lambda dt: GATED_DELTA_TOLERANCES[dt]  # noqa: E731
-    cases = []
-
-    def add(kernel, name, dtype, shape, run, tolerance):
-        cases.append(Case(kernel, name, dtype, shape, run, tolerance))
-
-    causal, m_cmp = AttentionMask(), AttentionMask(causal=False, compressed=(32, 16))
-    if tiny:  # one case per kernel (interpret mode compiles slowly; tests/kernels has the rest)
-        flash = [("window 7, segments", AttentionMask(window=7), 1, 50, 50, 4, 2, 16, "float32",
-                  True)]
-        sparse = [("G4", 1, 37, 37, 2, 4, 16, 16, 4, "bfloat16")]
-        blocks = [("overlap, segments", 2, 70, 80, 2, 2, 16, 8, 4, 16, "overlap", "float32",
-                   [0, 5], True, 4)]
-        depth = [("Q3 full", 3, 4, 1, 6, 64, "bfloat16", 4)]
-        gated = [("kda strong", 1, 96, 1, 2, 16, 16, True, True, "float32", 32)]
-        leap = [("kda int8, window 4", 1, 5, 1, 2, 16, 16, True, 4, 2)]
-    else:
-        flash = [("causal GQA G4", causal, 2, 1000, 1000, 8, 2, 64, "float32", False),
-                 ("causal G16 D128", causal, 1, 2048, 2048, 16, 1, 128, "bfloat16", False),
-                 ("window 256, segments", AttentionMask(window=256), 2, 1000, 1000, 4, 2, 64,
-                  "bfloat16", True),
-                 ("compressed (32, 16)", m_cmp, 2, 1000, 61, 8, 2, 64, "float32", False)]
-        sparse = [("G8 causal", 2, 1000, 1000, 2, 8, 64, 64, 8, "float32"),
-                  ("G16 D128", 1, 1536, 1536, 1, 16, 128, 64, 16, "bfloat16")]
-        blocks = [("overlap, segments", 2, 1000, 1024, 2, 4, 64, 32, 16, 64, "overlap",
-                   "float32", [0, 24], True, 16),
-                  ("eq9", 1, 2048, 2048, 1, 16, 128, 32, 16, 64, "eq9", "bfloat16", [0], False,
-                   16)]
-        depth = [("Q2 partial", 2, 8, 2, 512, 256, "float32", 6),
-                 ("Q3 full", 3, 6, 1, 1024, 512, "bfloat16", 6)]
-        gated = [("gdn weak", 2, 1000, 2, 4, 64, 64, False, False, "float32", 64),
-                 ("kda strong", 2, 1000, 2, 4, 64, 64, True, True, "float32", 64),
-                 ("gdn", 2, 1000, 2, 4, 64, 64, False, False, "bfloat16", 64)]
-        leap = [("gdn int8, window 16", 2, 40, 1, 2, 128, 128, False, 16, 4),
-                ("kda int8, window 16", 2, 40, 2, 4, 64, 64, True, 16, 4)]
-    for name, mask, B, T, S, Hq, Hkv, D, dt, seg in flash:
-        add("flash_attention", name, dt, f"B{B} T{T} S{S} Hq{Hq} Hkv{Hkv} D{D}",
-            _parity_flash(mask, B, T, S, Hq, Hkv, D, jnp.dtype(dt), seg), tol(dt))
-    for name, B, T, S, Hkv, G, D, P, n, dt in sparse:
-        add("sparse_attention", name, dt, f"B{B} T{T} S{S} Hkv{Hkv} G{G} D{D} P{P} n{n}",
-            _parity_sparse(B, T, S, Hkv, G, D, P, n, jnp.dtype(dt)), tol(dt))
-    for name, b, t, sl, hkv, g, dk, l, d, lp, remap, dt, off, seg, n_sel in blocks:
-        add("block_selection", name, dt, f"B{b} T{t} seq{sl} Hkv{hkv} G{g} D{dk} l{l} d{d} "
-            f"l'{lp}", _parity_block_selection(b, t, sl, hkv, g, dk, l, d, lp, remap,
-                                               jnp.dtype(dt), off, seg, n_sel), tol(dt))
-    for name, Q, S, B, T, D, dt, nv in depth:
-        add("depth_attention", name, dt, f"Q{Q} S{S} B{B} T{T} D{D} valid{nv}",
-            _parity_depth(Q, S, B, T, D, jnp.dtype(dt), nv), tol(dt))
-    for name, B, T, H, HV, K, V, kda, strong, dt, C in gated:
-        add("gated_delta", name, dt, f"B{B} T{T} H{H} HV{HV} K{K} V{V} C{C}",
-            _parity_gated_delta(B, T, H, HV, K, V, kda, strong, jnp.dtype(dt), C), gtol(dt))
-    for name, B, T, H, HV, K, V, kda, P, r in leap:
-        add("leapquant", name, "float32", f"B{B} T{T} H{H} HV{HV} K{K} V{V} P{P} r{r}",
-            _parity_leapquant(B, T, H, HV, K, V, kda, P, r), LEAPQUANT_TOLERANCE)
-    return cases
-
-
 def pallas_gpu_kernels() -> list[str]:
     """The kernel folders that hold a Pallas GPU kernel (kernels/<op>/pallas_gpu.py)."""
     return sorted(p.parent.name for p in KERNELS_DIR.glob("*/pallas_gpu.py"))
-
-
-def _errors(actual, expected) -> tuple[float, float, str]:
-    """(relative error, max abs error, note) of one tensor; non-finite entries must match."""
-    a = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
-    e = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)
-    if a.shape != e.shape:
-        return math.inf, math.inf, f"shape {a.shape} != {e.shape}"
-    finite = np.isfinite(e)
-    note = ""
-    if not finite.all():
-        if not np.array_equal(np.isfinite(a), finite) or not np.array_equal(a[~finite],
-                                                                           e[~finite]):
-            return math.inf, math.inf, "non-finite entries differ"
-        a, e = np.where(finite, a, 0.0), np.where(finite, e, 0.0)
-    rel = _testing.rel_err(a, e)
-    return rel, float(np.max(np.abs(a - e))) if a.size else 0.0, note
 
 
 def run_parity(run: Run) -> None:
@@ -516,8 +236,9 @@ def run_parity(run: Run) -> None:
             run.parity.append({"kernel": kernel, "case": "-", "dtype": "-", "shape": "-",
                                "pass": False, "worst": "-", "rel_err": None, "max_abs": None,
                                "tol": None, "details": "kernels/%s/pallas_gpu.py has no parity "
-                               "case in eval/bench_gpu.py" % kernel})
-            print(f"  FAIL {kernel}: has a pallas_gpu.py but no parity case here", flush=True)
+                               "case in eval/gpu_parity.py" % kernel})
+            print(f"  FAIL {kernel}: has a pallas_gpu.py but no parity case in gpu_parity.py",
+                  flush=True)
     mode = "interpret mode" if run.pallas["interpret"] else "native"
     print(f"parity ({mode}; seed {run.meta['seed']}):", flush=True)
     for i, case in enumerate(cases):
@@ -531,7 +252,7 @@ def run_parity(run: Run) -> None:
                "tol": case.tol}
         try:
             pairs, checks = case.run(rng, run.pallas, _compile_options(run))
-            errs = [(name,) + _errors(a, e) for name, a, e in pairs]
+            errs = [(name,) + errors(a, e) for name, a, e in pairs]
             worst = max(errs, key=lambda x: x[1])
             ok = all(rel <= case.tol for _, rel, _, _ in errs) and all(c for _, c in checks)
             details = ", ".join(f"{n} {rel:.1e}" + (f" ({note})" if note else "")

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from aiinfra_jax.eval import bench_gpu
+from aiinfra_jax.eval import bench_gpu, gpu_parity
 from aiinfra_jax.kernels import _testing
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -132,16 +132,16 @@ def test_without_a_gpu_it_asks_for_interpret_or_lower_only(capsys):
 def test_parity_cases_cover_every_pallas_gpu_kernel_at_the_tests_tolerances():
     kernels = {p.parent.name for p in (ROOT / "kernels").glob("*/pallas_gpu.py")}
     for tiny in (False, True):
-        cases = bench_gpu.parity_cases(tiny)
-        assert {c.kernel for c in cases} == kernels, "a kernel without parity cases in bench_gpu"
+        cases = gpu_parity.parity_cases(tiny)
+        assert {c.kernel for c in cases} == kernels, "a kernel without cases in eval/gpu_parity.py"
         for c in cases:
             if c.kernel == "leapquant":
-                assert c.tol == bench_gpu.LEAPQUANT_TOLERANCE
+                assert c.tol == gpu_parity.LEAPQUANT_TOLERANCE
                 continue
-            want = (bench_gpu.GATED_DELTA_TOLERANCES if c.kernel == "gated_delta"
+            want = (gpu_parity.GATED_DELTA_TOLERANCES if c.kernel == "gated_delta"
                     else _testing.TOLERANCES)[c.dtype]
             assert c.tol == want, c
     # gated_delta's tolerances are its test's own
     text = (ROOT / "tests" / "kernels" / "test_gated_delta.py").read_text()
     found = re.search(r"^TOLERANCES = (\{.*\})$", text, re.M)
-    assert found and ast.literal_eval(found.group(1)) == bench_gpu.GATED_DELTA_TOLERANCES
+    assert found and ast.literal_eval(found.group(1)) == gpu_parity.GATED_DELTA_TOLERANCES
