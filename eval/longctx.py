@@ -51,7 +51,8 @@ from aiinfra_jax.eval.answerers import Answerer, ModelAnswerer
 from aiinfra_jax.load import load_model
 from aiinfra_jax.metrics import ProgressBar
 from aiinfra_jax.models.attention.nsa import check_branches, require_nsa, with_branches_off
-from aiinfra_jax.tasks import NIAH_TASKS, Example, expand_tasks, make_task_example, score
+from aiinfra_jax.tasks import (NIAH_TASKS, Example, expand_tasks, make_task_example,
+                               parse_task_options, score, task_option_names)
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -106,6 +107,8 @@ class LongCtxConfig:
     answer token, EOS included; ``answer_token_acc``: share of answer tokens that are the greedy
     choice given the true prefix). Exact match stays at 0 until a whole answer is right; these two
     move as soon as the model starts to copy, so they show a run's progress on the way.
+    task_options: {task: {option: value}} for the tasks' generators (e.g. {"copy": {"num_chars":
+    8}}, {"mqar": {"num_pairs": 4}}), the options ``synthetic:<task>:...`` takes in training.
     """
 
     tasks: tuple[str, ...] = NIAH_TASKS
@@ -117,6 +120,7 @@ class LongCtxConfig:
     answer_margin: int = 4
     prefill_chunk: int | None = None
     teacher_forced: bool = True
+    task_options: Any = ()   # a dict, stored as sorted ((task, ((key, value), ...)), ...)
 
     def __post_init__(self):
         try:
@@ -140,6 +144,18 @@ class LongCtxConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"LongCtxConfig.{name}={v!r}: must be an int >= {low}")
+        options = dict(self.task_options)
+        for task, opts in options.items():
+            if task not in self.tasks:
+                raise ValueError(f"LongCtxConfig.task_options: options for {task!r}, which is not "
+                                 f"among the tasks {list(self.tasks)}")
+            unknown = sorted(set(dict(opts)) - set(task_option_names(task)))
+            if unknown:
+                raise ValueError(f"LongCtxConfig.task_options: task {task!r} has no option "
+                                 f"{', '.join(unknown)}; its options: "
+                                 f"{', '.join(task_option_names(task)) or '(none)'}")
+        object.__setattr__(self, "task_options", tuple(sorted(
+            (task, tuple(sorted(dict(opts).items()))) for task, opts in options.items())))
         if self.prefill_chunk is not None and (not isinstance(self.prefill_chunk, int)
                                                or self.prefill_chunk < 1):
             raise ValueError(f"LongCtxConfig.prefill_chunk={self.prefill_chunk!r}: a positive "
@@ -156,7 +172,9 @@ def small_grid(lengths: Sequence[int] = (256,), tasks: Sequence[str] = NIAH_TASK
 
 def build_examples(tokenizer: Any, cfg: LongCtxConfig) -> list[Example]:
     """Every example of the grid, ordered by (task, length, depth, sample)."""
-    return [make_task_example(tokenizer, task, length, depth, cfg.seed * 1_000_003 + s)
+    options = {task: dict(opts) for task, opts in cfg.task_options}
+    return [make_task_example(tokenizer, task, length, depth, cfg.seed * 1_000_003 + s,
+                              **options.get(task, {}))
             for task in cfg.tasks for length in cfg.lengths for depth in cfg.depths
             for s in range(cfg.samples)]
 
@@ -432,6 +450,18 @@ def longctx_scores(model: Any, tokenizer: Any, cfg: LongCtxConfig | None = None
 # ----------------------------------------------------------------------------- CLI
 
 
+def _parse_task_options(items: Sequence[str]) -> dict[str, dict[str, int | float]]:
+    """--task-options TASK:key=value,... (repeatable) -> {task: {key: value}}."""
+    out: dict[str, dict[str, int | float]] = {}
+    for item in items:
+        task, colon, text = item.partition(":")
+        if not colon or not text:
+            raise ValueError(f"--task-options {item!r}: expected TASK:key=value,..., e.g. "
+                             "copy:num_chars=8")
+        out.setdefault(task, {}).update(parse_task_options(task, text))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", required=True, help="a run directory printed by train.py")
@@ -452,6 +482,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="overrides of the run's config: mesh, data, and the model's run-time "
                          "settings (e.g. model.nsa.implementation=xla)")
+    ap.add_argument("--task-options", action="append", default=[], metavar="TASK:KEY=VALUE,...",
+                    help="options of a task's generator, as synthetic:<task>:... takes them in "
+                         "training (repeatable), e.g. copy:num_chars=8 or mqar:num_pairs=4")
     ap.add_argument("--branches-off", default="", metavar="cmp,slc,win",
                     help="NSA only: evaluate with these branches' gates fixed at 0")
     add_debug_flag(ap)
@@ -463,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
                             depths=parse_depths(args.depths),
                             samples=args.samples, seed=args.seed, batch_size=args.batch_size,
                             prefill_chunk=args.prefill_chunk,
-                            teacher_forced=not args.no_teacher_forced)
+                            teacher_forced=not args.no_teacher_forced,
+                            task_options=_parse_task_options(args.task_options))
         run_dir = Path(args.checkpoint)
         run_cfg = load_run_config(run_dir, args.overrides)
         branches_off = tuple(b for b in args.branches_off.split(",") if b)

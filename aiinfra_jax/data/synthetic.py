@@ -47,7 +47,7 @@ from aiinfra_jax.data.config import DataConfig
 from aiinfra_jax.data.sources import GeneratedSource, register_source
 from aiinfra_jax.data.synthetic_msa import MSASource
 from aiinfra_jax.data.tokenizer import load_tokenizer
-from aiinfra_jax.tasks import ContextTooShort, expand_tasks, make_task_example
+from aiinfra_jax.tasks import ContextTooShort, expand_tasks, make_task_example, parse_number
 
 # Seeds probed at construction for a task's longest need (prompt + answer); see _check_fit.
 PROBE_SEEDS = 32
@@ -111,17 +111,10 @@ def parse_spec(spec: str) -> tuple[str, SyntheticOptions]:
                 elif key in _FLOAT_OPTIONS:
                     kwargs[key] = float(value)
                 else:
-                    task_options[key] = _number(value)
+                    task_options[key] = parse_number(value)
             except ValueError as e:
                 raise ValueError(f"data source {spec!r}: option {key}={value!r} is not a number") from e
     return parts[1], SyntheticOptions(**kwargs, task_options=tuple(sorted(task_options.items())))
-
-
-def _number(value: str) -> int | float:
-    try:
-        return int(value.replace("_", ""))
-    except ValueError:
-        return float(value)
 
 
 class SyntheticSource(GeneratedSource):

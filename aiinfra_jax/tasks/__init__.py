@@ -21,6 +21,7 @@ Tasks: the eight RULER NIAH variants (``NIAH_TASKS``), "passkey", "mqar", "varia
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -66,6 +67,38 @@ def expand_tasks(names: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
+def parse_number(value: str) -> int | float:
+    """A task option's value: an int where it reads as one ("1_000" too), else a float."""
+    try:
+        return int(value.replace("_", ""))
+    except ValueError:
+        return float(value)
+
+
+def task_option_names(task: str) -> tuple[str, ...]:
+    """The keyword options of ``task``'s generator (e.g. copy: num_chars, repeats)."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; tasks: {sorted(TASKS)}")
+    params = inspect.signature(TASKS[task]).parameters.values()
+    return tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
+def parse_task_options(task: str, text: str) -> dict[str, int | float]:
+    """"key=value,..." -> the options of ``task``'s generator, each name checked against it."""
+    allowed = task_option_names(task)
+    out: dict[str, int | float] = {}
+    for item in (text.split(",") if text else []):
+        key, eq, value = (x.strip() for x in item.partition("="))
+        if not eq or key not in allowed:
+            raise ValueError(f"task {task!r}: bad option {item!r}; give key=value with key one "
+                             f"of {', '.join(allowed) or '(none: this task takes no options)'}")
+        try:
+            out[key] = parse_number(value)
+        except ValueError as e:
+            raise ValueError(f"task {task!r}: option {key}={value!r} is not a number") from e
+    return out
+
+
 def make_task_example(tokenizer: Any, task: str, length: int, depth: float, seed: int,
                       **options: Any) -> Example:
     """One example of ``task`` (see the module docstring); options go to the task's generator."""
@@ -77,6 +110,7 @@ def make_task_example(tokenizer: Any, task: str, length: int, depth: float, seed
 __all__ = [
     "ContextTooShort", "Example", "copy_example", "NIAHSpec", "NIAH_TASKS", "NIAH_VARIANTS", "TASKS", "TASK_GROUPS",
     "answer_line", "exact_match", "expand_tasks", "make_task_example", "mqar_example",
+    "parse_number", "parse_task_options", "task_option_names",
     "niah_example", "passkey_example", "score", "string_match_all", "string_match_part",
     "variable_tracking_example",
 ]

@@ -232,6 +232,31 @@ def test_config_and_parsing():
         lc.LongCtxConfig(samples=0)
 
 
+def test_task_options_reach_the_generator_and_bad_ones_are_refused_by_name(tmp_path, capsys):
+    n = int(np.random.default_rng().integers(3, 12))
+    cfg = lc.LongCtxConfig(tasks=("copy", "passkey"), lengths=(400,), depths=(0.5,),
+                           task_options={"copy": {"num_chars": n}})
+    copy, passkey = lc.build_examples(TOK, cfg)
+    assert len(copy.answers[0]) == n
+    assert passkey.answers == lc.build_examples(TOK, lc.LongCtxConfig(
+        tasks=("passkey",), lengths=(400,), depths=(0.5,)))[0].answers
+    assert lc._parse_task_options([f"copy:num_chars={n}", "copy:repeats=2"]) == {
+        "copy": {"num_chars": n, "repeats": 2}}
+    with pytest.raises(ValueError, match="not among the tasks"):
+        lc.LongCtxConfig(tasks=("passkey",), task_options={"copy": {"num_chars": 4}})
+    with pytest.raises(ValueError, match="task 'copy' has no option num_pairs; its options: "
+                                         "num_chars, repeats"):
+        lc.LongCtxConfig(tasks=("copy",), task_options={"copy": {"num_pairs": 4}})
+    for bad, match in (("copy", "expected TASK:key=value"), ("copy:num_pairs=3", "bad option"),
+                       ("copy:num_chars=x", "is not a number")):
+        with pytest.raises(ValueError, match=match):
+            lc._parse_task_options([bad])
+    # the CLI refuses before it looks for a checkpoint
+    rc = lc.main(["--checkpoint", str(tmp_path), "--tasks", "copy", "--task-options",
+                  "copy:num_pairs=3", "--no-progress"])
+    assert rc == 1 and "bad option 'num_pairs=3'" in capsys.readouterr().err
+
+
 def test_in_loop_hook_is_registered_checks_its_grid_and_scores():
     """The training loop finds the hook through the entry point group (aiinfra_jax.hooks) when the
     config asks for it; check() refuses a grid that cannot run; a call gives the loop's log keys."""
