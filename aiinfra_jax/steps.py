@@ -73,9 +73,14 @@ def model_state_of(model) -> dict:
 
 
 def weight_decay_mask(abstract_params):
-    """True for matrices; False for norm scales, biases and scalars (by their logical axes)."""
+    """True for matrices; False for norm scales, biases and scalars: by their logical axes (a
+    "norm" axis, or fewer than two axes besides "layers"), or by a parameter's own
+    ``weight_decay=False`` metadata (biases and log-rates with two axes, e.g. NSA's gate bias
+    [heads, branch], KDA's dt_bias [heads, K]; as fla's and the public models' _no_weight_decay)."""
 
     def decays(var):
+        if var.get_metadata().get("weight_decay") is False:
+            return False
         axes = shd.variable_logical_axes(var)
         if axes is None:
             return var.ndim >= 2

@@ -226,11 +226,13 @@ class _GatedDelta(nnx.Module):
             self.w_a = make_param(rngs, (d, hv), ("embed", "heads"), std, pdt)
             bias_shape, bias_axes = (hv,), ("heads",)
         a = jax.random.uniform(rngs.params(), (hv,), jnp.float32, 1.0, 16.0)
-        self.A_log = nnx.Param(jnp.log(a), logical_axes=("heads",))
+        # the decay's log-rate and bias are never weight-decayed (steps.weight_decay_mask)
+        self.A_log = nnx.Param(jnp.log(a), logical_axes=("heads",), weight_decay=False)
         lo, hi = math.log(1e-3), math.log(1e-1)
         dt = jnp.exp(jax.random.uniform(rngs.params(), bias_shape, jnp.float32, lo, hi))
         dt = jnp.maximum(dt, 1e-4)
-        self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)), logical_axes=bias_axes)
+        self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)), logical_axes=bias_axes,
+                                 weight_decay=False)
         self.o_norm = nnx.Param(jnp.ones((vd,), pdt), logical_axes=("norm",))
         self.dims = (h, hv, kd, vd)
         self.conv_channels = 2 * h * kd + hv * vd

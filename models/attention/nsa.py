@@ -267,9 +267,13 @@ class NSAttention(nnx.Module):
             value = (flat[lo:hi].reshape(shape) * sd).astype(pdt)
             setattr(self, name, nnx.Param(value, logical_axes=axes))
         bias = np.broadcast_to(np.asarray(c.gate_bias, np.float32), (h, 3))
-        self.b_gate = nnx.Param(jnp.asarray(bias, pdt), logical_axes=("heads", "nsa_branch"))
-        self.cmp_b1 = nnx.Param(jnp.zeros((2, width), pdt), logical_axes=("nsa_kv", "nsa_mlp"))
-        self.cmp_b2 = nnx.Param(jnp.zeros((2, dh), pdt), logical_axes=("nsa_kv", "head_dim"))
+        # biases: never weight-decayed (steps.weight_decay_mask)
+        self.b_gate = nnx.Param(jnp.asarray(bias, pdt), logical_axes=("heads", "nsa_branch"),
+                                weight_decay=False)
+        self.cmp_b1 = nnx.Param(jnp.zeros((2, width), pdt), logical_axes=("nsa_kv", "nsa_mlp"),
+                                weight_decay=False)
+        self.cmp_b2 = nnx.Param(jnp.zeros((2, dh), pdt), logical_axes=("nsa_kv", "head_dim"),
+                                weight_decay=False)
 
     @classmethod
     def from_dense(cls, cfg: ModelConfig, dense: dict[str, Any]) -> dict[str, tuple[Any, str, str]]:

@@ -255,3 +255,29 @@ def test_a_setting_without_its_hook_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="eval.longctx_every=5 needs the 'longctx' training hook"):
         train(tiny(tmp_path, "eval.longctx_every=5"), hooks=[], quiet=True)
     assert not (tmp_path / "tiny").exists()  # nothing was created
+
+
+def test_weight_decay_reaches_matrices_only():
+    """Every family's biases, decay log-rates and norm scales are left out of weight decay (as
+    fla's _no_weight_decay and the config's "matrices only"); every projection is decayed."""
+    from flax import nnx
+
+    from aiinfra_jax import steps
+    from aiinfra_jax.models import ModelConfig, Transformer
+
+    seen = {}
+    for mixers, ffns in ((("dense", "nsa", "gdn", "kda"), ("swiglu",)), (("msa",), ("moe",)),
+                         (("dense",), ("deamoe",))):
+        cfg = ModelConfig(d_model=64, n_layers=len(mixers), n_heads=2, n_kv_heads=1,
+                          mixers=mixers, ffns=ffns, vocab_size=128, max_seq_len=256)
+        abstract = nnx.eval_shape(lambda cfg=cfg: Transformer(cfg, rngs=nnx.Rngs(0)))
+        mask = steps.weight_decay_mask(nnx.state(abstract, nnx.Param))
+        for path, decayed in jax.tree_util.tree_leaves_with_path(mask):
+            name = str(getattr(path[-1], "key", path[-1]))
+            seen.setdefault(name, set()).add(bool(decayed))
+    kept = {n for n, d in seen.items() if d == {False}}
+    assert {"b_gate", "cmp_b1", "cmp_b2", "A_log", "dt_bias", "o_norm", "scale"} <= kept
+    assert all(n in kept for n in seen if "bias" in n or n.startswith(("b_", "cmp_b")))
+    for name in ("wq", "w_q", "w_k", "w_v", "w_o", "w_f1", "w_f2", "router_q", "w_router",
+                 "w_private", "w_up", "w_down", "table", "kernel"):
+        assert seen[name] == {True}, name
