@@ -9,7 +9,7 @@ CONFIG ?= configs/nsa_tiny.py
 ARGS   ?=
 
 .PHONY: train test install install-dev install-bench bench-train bench-kernels bench-nsa bench-attnres bench-moe \
-	bench-moe-quality bench-recurrent bench-memory bench-generate bench-leapquant bench-gpu bench-surgery profile-step clean-venv
+	bench-moe-quality bench-recurrent bench-recall bench-memory bench-generate bench-leapquant bench-gpu bench-surgery profile-step clean-venv
 
 $(VENV)/.stamp-base: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -70,6 +70,11 @@ bench-moe-quality: $(VENV)/.stamp-base
 # 80 minutes; finished runs are read, not retrained), loss curves, loss past the training length.
 bench-recurrent: $(VENV)/.stamp-base
 	$(PY) -m aiinfra_jax.eval.bench_recurrent $(ARGS)
+
+# Token-level associative recall (Zoology's MQAR): dense / GDN / KDA over learning rates and head
+# sizes, 12 small runs (about 15 minutes); which settings let a recurrent mixer learn retrieval.
+bench-recall: $(VENV)/.stamp-base
+	$(PY) -m aiinfra_jax.eval.bench_recall $(ARGS)
 
 # MSA: NIAH over a memory bank grown by appends to 32K, 128K and 1M tokens (exact match, router
 # recall, encoding tokens/s, prefill / decode time, bytes per memory token); needs a trained MSA run:

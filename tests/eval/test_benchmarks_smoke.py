@@ -193,3 +193,30 @@ def test_bench_kernels_skips_a_program_over_the_memory_limit(tmp_path):
     assert [s.split(":")[0] for s in res["meta"]["skipped"]] == ["gdn_rec fwd at T=64",
                                                                   "gdn_rec fwd+bwd at T=64"]
     assert "Not run: gdn_rec fwd+bwd at T=64" in (tmp_path / "results.md").read_text()
+
+
+def test_bench_recall_task_and_cli(tmp_path):
+    """MQAR batches: every weighted target is the value its key had in the context; the CLI runs
+    a toy grid and writes its table."""
+    import numpy as np
+
+    from aiinfra_jax.eval import bench_recall
+
+    pairs = int(np.random.default_rng().integers(2, 9))
+    x, y, w = (np.asarray(a) for a in bench_recall.recall_batch(np.random.default_rng(), 5, pairs))
+    assert x.shape == y.shape == w.shape == (5, 4 * pairs - 1) and w.sum() == 5 * pairs
+    for b in range(5):
+        context = dict(zip(x[b, 0:2 * pairs:2], x[b, 1:2 * pairs:2]))
+        assert len(context) == pairs and all(1 <= k < 64 <= context[k] < 128 for k in context)
+        for t in np.flatnonzero(w[b]):
+            assert t >= 2 * pairs and y[b, t] == context[x[b, t]]
+    assert bench_recall.main(["--mixers", "dense,gdn", "--lrs", "1e-3", "--heads", "1,2",
+                              "--steps", "3", "--pairs", "2", "--d-model", "16",
+                              "--out-dir", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [(r["mixer"], r["heads"]) for r in rows] == [("dense", 1), ("dense", 2), ("gdn", 1),
+                                                        ("gdn", 2)]
+    assert all(0.0 <= r["final_accuracy"] <= 1.0 and len(r["curve"]) == 3 for r in rows)
+    assert "| gdn | 0.001 | 2 x 8 |" in (tmp_path / "results.md").read_text()
+    with pytest.raises(SystemExit):
+        bench_recall.main(["--heads", "3", "--d-model", "16"])

@@ -1,0 +1,180 @@
+"""Associative recall at the token level: which mixers learn it, at which learning rate and head size.
+
+    python -m aiinfra_jax.eval.bench_recall [--mixers dense,gdn,kda] [--lrs 1e-3,3e-3]
+        [--heads 1,2] [--pairs 8] [--steps 600] [--out-dir runs/bench_recall]
+    make bench-recall ARGS="..."
+
+Multi-query associative recall as Zoology (Arora et al., arXiv 2312.04927) poses it, the probe the
+linear-attention literature uses to check that a recurrent layer can store and retrieve: a sequence
+of N key-value pairs "k1 v1 ... kN vN" (distinct keys from tokens 1-63, values from 64-127), then
+the N keys again in a random order, each followed by its value. Loss and accuracy count only those
+recalled values, so chance is 1/64 per value (and a model that has only learned that values follow
+keys, not which, sits near ln 64 = 4.16 nats). Every (mixer, lr, heads) cell trains a fresh
+--layers-layer model of --d-model (this library's Transformer, "mixers" all the same, --heads
+query heads of d_model / heads, as many KV heads; --short-conv before each mixer) with the
+trainer's optimizer (AdamW, warm-up then cosine, weight decay on matrices only) on fresh batches,
+and reports the accuracy on a held-out batch every steps / 10 steps, the first step at which it
+reached 90%, and the final accuracy.
+
+Why it is here (issue 22): the recurrent mixers learned no retrieval in the byte-level long-context
+recipe (eval/BENCHMARKS.md). This separates "cannot" from "not with these settings": the same
+models on the cleanest recall task, swept over the two settings that decide it here.
+
+No timings are asserted or compared (each cell is a separate training run); the wall time per cell
+is printed for planning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from aiinfra_jax import steps
+from aiinfra_jax.config import OptimConfig
+from aiinfra_jax.models import ModelConfig, Transformer
+
+VOCAB = 128
+KEYS = np.arange(1, 64)        # key tokens
+VALUE_LO = 64                  # values are 64..127
+TARGET = 0.9                   # "learned": held-out accuracy at or above this
+
+
+def recall_batch(rng: np.random.Generator, batch: int, pairs: int):
+    """(inputs [B,T-1], targets [B,T-1], weights [B,T-1]) with T = 4 * pairs; weight 1 on the
+    value that follows each queried key, 0 elsewhere."""
+    if not 1 <= pairs <= KEYS.size:
+        raise ValueError(f"--pairs={pairs} must be in [1, {KEYS.size}] (distinct keys 1-63)")
+    keys = np.stack([rng.choice(KEYS, pairs, replace=False) for _ in range(batch)])
+    vals = rng.integers(VALUE_LO, VOCAB, (batch, pairs))
+    order = np.argsort(rng.random((batch, pairs)), axis=1)
+    context = np.stack([keys, vals], -1).reshape(batch, -1)
+    queries = np.stack([np.take_along_axis(keys, order, 1), np.take_along_axis(vals, order, 1)],
+                       -1).reshape(batch, -1)
+    tokens = np.concatenate([context, queries], 1)
+    weights = np.zeros(tokens.shape, np.float32)
+    weights[:, 2 * pairs + 1::2] = 1.0                       # the recalled values
+    return (jnp.asarray(tokens[:, :-1], jnp.int32), jnp.asarray(tokens[:, 1:], jnp.int32),
+            jnp.asarray(weights[:, 1:]))
+
+
+def _loss(model, x, y, w):
+    pos = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape)
+    logits = model(x, positions=pos)[0]
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+    acc = (jnp.argmax(logits, -1) == y).astype(jnp.float32)
+    return jnp.sum(nll * w) / jnp.sum(w), jnp.sum(acc * w) / jnp.sum(w)
+
+
+def run_cell(mixer: str, lr: float, heads: int, args) -> dict:
+    """Trains one fresh model; returns its curve and summary."""
+    cfg = ModelConfig(d_model=args.d_model, n_layers=args.layers, n_heads=heads,
+                      n_kv_heads=heads, mixers=(mixer,), vocab_size=VOCAB,
+                      max_seq_len=4 * args.pairs, short_conv=args.short_conv)
+    model = Transformer(cfg, rngs=nnx.Rngs(args.seed))
+    # plain dicts, as the trainer keeps them (steps.weight_decay_mask gives one of that shape)
+    graphdef, param_state, rest = nnx.split(model, nnx.Param, ...)
+    params = nnx.to_pure_dict(param_state)
+    tx = steps.make_optimizer(OptimConfig(lr=lr, warmup_steps=min(100, args.steps // 10)),
+                              args.steps, steps.weight_decay_mask(param_state))
+    opt_state = tx.init(params)
+
+    def loss_of(params, x, y, w):
+        state = nnx.State(param_state)
+        nnx.replace_by_pure_dict(state, params)
+        return _loss(nnx.merge(graphdef, state, rest), x, y, w)
+
+    @jax.jit
+    def train_step(params, opt_state, x, y, w):
+        grads = jax.grad(lambda p: loss_of(p, x, y, w)[0])(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    evaluate = jax.jit(loss_of)
+    rng = np.random.default_rng([args.seed, 1])
+    held_out = recall_batch(np.random.default_rng([args.seed, 2]), args.eval_batch, args.pairs)
+    curve, first, t0 = [], None, time.perf_counter()
+    every = max(args.steps // 10, 1)
+    for step in range(1, args.steps + 1):
+        params, opt_state = train_step(params, opt_state,
+                                       *recall_batch(rng, args.batch, args.pairs))
+        if step % every == 0 or step == args.steps:
+            loss, acc = (float(v) for v in evaluate(params, *held_out))
+            curve.append({"step": step, "loss": loss, "accuracy": acc})
+            if first is None and acc >= TARGET:
+                first = step
+    return {"mixer": mixer, "lr": lr, "heads": heads, "head_dim": args.d_model // heads,
+            "params": int(sum(np.prod(p.shape) for p in jax.tree.leaves(params))),
+            "final_accuracy": curve[-1]["accuracy"], "final_loss": curve[-1]["loss"],
+            "first_step_at_target": first, "curve": curve,
+            "seconds": time.perf_counter() - t0}
+
+
+def markdown(rows: list[dict], args) -> str:
+    head = (f"MQAR, {args.pairs} pairs (T = {4 * args.pairs}), d_model {args.d_model}, "
+            f"{args.layers} layers, short conv {args.short_conv}, {args.steps} steps of "
+            f"{args.batch}, seed {args.seed}; held-out accuracy on {args.eval_batch} sequences "
+            f"(chance 1/64)\n\n"
+            "| mixer | lr | heads x dim | params | final acc | final loss | first step >= 90% "
+            "| s |\n|---|---|---|---|---|---|---|---|\n")
+    return head + "".join(
+        f"| {r['mixer']} | {r['lr']:g} | {r['heads']} x {r['head_dim']} | {r['params']:,} | "
+        f"{r['final_accuracy']:.1%} | {r['final_loss']:.3f} | "
+        f"{r['first_step_at_target'] or 'never'} | {r['seconds']:.0f} |\n" for r in rows)
+
+
+def _csv(kind):
+    return lambda text: tuple(kind(x) for x in text.split(",") if x)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mixers", type=_csv(str), default=("dense", "gdn", "kda"))
+    ap.add_argument("--lrs", type=_csv(float), default=(1e-3, 3e-3))
+    ap.add_argument("--heads", type=_csv(int), default=(1, 2))
+    ap.add_argument("--pairs", type=int, default=8)
+    ap.add_argument("--d-model", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--short-conv", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--eval-batch", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out-dir", default="runs/bench_recall")
+    args = ap.parse_args(argv)
+    for h in args.heads:
+        if h < 1 or args.d_model % h:
+            ap.error(f"--heads {h}: every head count must divide --d-model {args.d_model}")
+    if args.steps < 1:
+        ap.error("--steps must be >= 1")
+    recall_batch(np.random.default_rng(0), 1, args.pairs)  # validates --pairs before any work
+    rows = []
+    for mixer in args.mixers:
+        for heads in args.heads:
+            for lr in args.lrs:
+                r = run_cell(mixer, lr, heads, args)
+                rows.append(r)
+                print(f"{mixer:>6} lr {lr:g} heads {heads}: final {r['final_accuracy']:.1%}, "
+                      f">= 90% at step {r['first_step_at_target'] or 'never'} "
+                      f"({r['seconds']:.0f} s)", flush=True)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown(rows, args)
+    (out / "results.md").write_text(table)
+    (out / "results.json").write_text(json.dumps(
+        {"args": vars(args), "command": " ".join(sys.argv), "rows": rows}, indent=1))
+    print(table + f"\noutputs in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
