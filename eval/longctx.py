@@ -51,8 +51,8 @@ from aiinfra_jax.eval.answerers import Answerer, ModelAnswerer
 from aiinfra_jax.load import load_model
 from aiinfra_jax.metrics import ProgressBar
 from aiinfra_jax.models.attention.nsa import check_branches, require_nsa, with_branches_off
-from aiinfra_jax.tasks import (NIAH_TASKS, Example, expand_tasks, make_task_example,
-                               parse_task_options, score, task_option_names)
+from aiinfra_jax.tasks import (NIAH_TASKS, Example, check_task_options, expand_tasks,
+                               make_task_example, parse_task_options, score)
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -149,11 +149,7 @@ class LongCtxConfig:
             if task not in self.tasks:
                 raise ValueError(f"LongCtxConfig.task_options: options for {task!r}, which is not "
                                  f"among the tasks {list(self.tasks)}")
-            unknown = sorted(set(dict(opts)) - set(task_option_names(task)))
-            if unknown:
-                raise ValueError(f"LongCtxConfig.task_options: task {task!r} has no option "
-                                 f"{', '.join(unknown)}; its options: "
-                                 f"{', '.join(task_option_names(task)) or '(none)'}")
+            check_task_options(task, dict(opts), "LongCtxConfig.task_options")
         object.__setattr__(self, "task_options", tuple(sorted(
             (task, tuple(sorted(dict(opts).items()))) for task, opts in options.items())))
         if self.prefill_chunk is not None and (not isinstance(self.prefill_chunk, int)

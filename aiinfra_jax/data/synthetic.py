@@ -47,7 +47,8 @@ from aiinfra_jax.data.config import DataConfig
 from aiinfra_jax.data.sources import GeneratedSource, register_source
 from aiinfra_jax.data.synthetic_msa import MSASource
 from aiinfra_jax.data.tokenizer import load_tokenizer
-from aiinfra_jax.tasks import ContextTooShort, expand_tasks, make_task_example, parse_number
+from aiinfra_jax.tasks import (ContextTooShort, check_task_options, expand_tasks, make_task_example,
+                               parse_number)
 
 # Seeds probed at construction for a task's longest need (prompt + answer); see _check_fit.
 PROBE_SEEDS = 32
@@ -127,6 +128,8 @@ class SyntheticSource(GeneratedSource):
         self.tokenizer = load_tokenizer(cfg.tokenizer)
         self.seq_len = cfg.seq_len
         opts = self.options
+        for t in self.tasks:  # a key neither of the source nor of the generator: a typo
+            check_task_options(t, dict(opts.task_options), f"data source {spec!r}")
         shortest = {t: self._shortest_prompts(t) for t in self.tasks}
         # The floor of the prompt lengths drawn: the first probe's shortest prompt + 8, at least 64.
         self.min_length = {t: max(opts.min_length, 64, shortest[t][0] + 8) for t in self.tasks}
@@ -154,9 +157,6 @@ class SyntheticSource(GeneratedSource):
             try:
                 self._make(task, 1, 0.5, seed)
                 shortest.append(1)
-            except TypeError as e:  # an option the generator does not take
-                raise ValueError(f"data source {self.name!r}: task {task!r} does not take the "
-                                 f"option(s) {dict(self.options.task_options)} ({e})") from e
             except ContextTooShort as e:
                 shortest.append(e.needed)
         return shortest

@@ -22,7 +22,7 @@ Tasks: the eight RULER NIAH variants (``NIAH_TASKS``), "passkey", "mqar", "varia
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from aiinfra_jax.tasks.common import Example
@@ -83,15 +83,24 @@ def task_option_names(task: str) -> tuple[str, ...]:
     return tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
+def check_task_options(task: str, names: Iterable[str], where: str) -> None:
+    """Refuses option names that ``task``'s generator does not take, naming them and the valid
+    ones (where: what the options came from, for the message)."""
+    allowed = task_option_names(task)
+    unknown = sorted(set(names) - set(allowed))
+    if unknown:
+        raise ValueError(f"{where}: task {task!r} has no option {', '.join(unknown)}; its "
+                         f"options: {', '.join(allowed) or '(none)'}")
+
+
 def parse_task_options(task: str, text: str) -> dict[str, int | float]:
     """"key=value,..." -> the options of ``task``'s generator, each name checked against it."""
-    allowed = task_option_names(task)
     out: dict[str, int | float] = {}
     for item in (text.split(",") if text else []):
         key, eq, value = (x.strip() for x in item.partition("="))
-        if not eq or key not in allowed:
-            raise ValueError(f"task {task!r}: bad option {item!r}; give key=value with key one "
-                             f"of {', '.join(allowed) or '(none: this task takes no options)'}")
+        if not eq:
+            raise ValueError(f"task {task!r}: bad option {item!r}; give key=value")
+        check_task_options(task, [key], f"option {item!r}")
         try:
             out[key] = parse_number(value)
         except ValueError as e:
@@ -110,7 +119,7 @@ def make_task_example(tokenizer: Any, task: str, length: int, depth: float, seed
 __all__ = [
     "ContextTooShort", "Example", "copy_example", "NIAHSpec", "NIAH_TASKS", "NIAH_VARIANTS", "TASKS", "TASK_GROUPS",
     "answer_line", "exact_match", "expand_tasks", "make_task_example", "mqar_example",
-    "parse_number", "parse_task_options", "task_option_names",
+    "check_task_options", "parse_number", "parse_task_options", "task_option_names",
     "niah_example", "passkey_example", "score", "string_match_all", "string_match_part",
     "variable_tracking_example",
 ]

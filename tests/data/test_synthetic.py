@@ -44,7 +44,7 @@ def test_synthetic_spec_errors():
     with pytest.raises(ValueError, match="not a number"):
         parse_spec("synthetic:mqar:num_queries=many")
     # A key that is neither a source option nor a keyword of the generator (a typo) fails at once.
-    with pytest.raises(ValueError, match="does not take"):
+    with pytest.raises(ValueError, match="task 'mqar' has no option lenght; its options: "):
         open_source("synthetic:mqar:lenght=3", DataConfig())
     with pytest.raises(ValueError, match="num_queries"):  # the generator's own validation
         open_source("synthetic:mqar:num_queries=40", DataConfig())
