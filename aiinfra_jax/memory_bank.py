@@ -14,12 +14,15 @@ training scoring rule (tiled over the bank's chunks), and decoding continues wit
 
 On disk (a folder):
   manifest.json           format, the model (its architecture config and a fingerprint of its
-                          parameters), chunk, routing layers, kv heads, head dim, dtype, the
-                          committed counts (documents, chunks, tokens), the longest document and
-                          the configured limit, and "appending" while an append is under way.
-  doc_chunks.bin          int32 [N]: chunks of each document
-  doc_length.bin          int32 [N]: tokens of each document
-  layer_<i>.<name>.bin    float32 [Cb, K, Dh] for name in route_k, k, v, per routing layer i
+                          parameters), chunk and kv_chunk, routing layers, kv heads, head dim,
+                          dtype, the committed counts (documents, routing chunks, key/value
+                          chunks, tokens), the longest document and the configured limit, and
+                          "appending" while an append is under way.
+  doc_chunks.bin          int32 [N]: routing chunks of each document
+  doc_length.bin          int32 [N]: tokens of each document (its key/value chunks follow)
+  layer_<i>.<name>.bin    float32 per routing layer i: route_k [Cb, K, Dh], k and v [Ckv, K, Dh]
+                          (Ckv = Cb when kv_chunk = chunk, the default; a bank written before
+                          kv_chunk existed has neither field and reads as kv_chunk = chunk)
   docs.jsonl              one line per document: {"id": the caller's name for it, "tokens": n}
 Why raw memory-mapped files (numpy.memmap) rather than tensorstore: a bank is a few append-only
 arrays, read whole (routing keys) or gathered by row (keys and values of chosen documents) on one
@@ -64,7 +67,7 @@ from aiinfra_jax.models.config import ModelConfig
 log = logging.getLogger(__name__)
 
 FORMAT = "aiinfra-msa-bank/1"
-ARRAYS = ("route_k", "k", "v")  # per routing layer, [Cb, K, Dh] float32
+ARRAYS = ("route_k", "k", "v")  # per routing layer, float32 [Cb, K, Dh] / [Ckv, K, Dh] / same
 _RECORDED = {"route_k": "pooled_route_k", "k": "pooled_k", "v": "pooled_v"}
 
 
@@ -109,11 +112,12 @@ def _check_model(manifest: dict, model: nnx.Module, path: Path) -> None:
 
 @dataclasses.dataclass
 class Encoded:
-    """Documents encoded by `encode_documents`: per routing layer {name: [Cb,K,Dh] float32},
-    chunks and tokens per document."""
+    """Documents encoded by `encode_documents`: per routing layer {name: float32 route_k
+    [Cb,K,Dh], k, v [Ckv,K,Dh]}, routing chunks, key/value chunks and tokens per document."""
 
     layers: dict[int, dict[str, np.ndarray]]
-    doc_chunks: np.ndarray  # [N] int32
+    doc_chunks: np.ndarray  # [N] int32, routing chunks
+    doc_kv_chunks: np.ndarray  # [N] int32, key/value chunks
     doc_length: np.ndarray  # [N] int32
 
 
@@ -182,7 +186,8 @@ def encode_documents(model: nnx.Module, docs: Sequence[np.ndarray], *, row_len: 
         if docs[j].min() < 0 or docs[j].max() >= cfg.vocab_size:
             raise BankError(f"encode_documents: document {j} has token ids outside [0, "
                             f"{cfg.vocab_size})")
-    chunk, max_docs = cfg.msa.chunk, cfg.msa.max_documents
+    chunk, kv_chunk, max_docs = cfg.msa.chunk, cfg.msa.resolved_kv_chunk, cfg.msa.max_documents
+    per_name = {"route_k": chunk, "k": kv_chunk, "v": kv_chunk}
     layers = routing_layer_indices(cfg)
     rows = _pack(lengths, row_len, max_docs)
     graphdef, state = nnx.split(model)
@@ -203,10 +208,9 @@ def encode_documents(model: nnx.Module, docs: Sequence[np.ndarray], *, row_len: 
                 at += n
         pooled = jax.device_get(_encode_rows(graphdef, state, tok, pos, seg, layers))
         for b, row in enumerate(group):
-            n_chunks = [-(-lengths[j] // chunk) for j in row]
-            base = np.cumsum([0] + n_chunks)
-            for i in layers:
-                for name in ARRAYS:
+            for name in ARRAYS:
+                base = np.cumsum([0] + [-(-lengths[j] // per_name[name]) for j in row])
+                for i in layers:
                     arr = pooled[i][name][b]
                     out[i][name].extend(arr[base[s]:base[s + 1]] for s in range(len(row)))
             done += len(row)
@@ -216,6 +220,7 @@ def encode_documents(model: nnx.Module, docs: Sequence[np.ndarray], *, row_len: 
         layers={i: {n: np.concatenate(v).astype(np.float32) for n, v in d.items()}
                 for i, d in out.items()},
         doc_chunks=np.asarray([-(-n // chunk) for n in lengths], np.int32),
+        doc_kv_chunks=np.asarray([-(-n // kv_chunk) for n in lengths], np.int32),
         doc_length=np.asarray(lengths, np.int32))
 
 
@@ -232,7 +237,7 @@ def _write_manifest(path: Path, manifest: dict) -> None:
 @dataclasses.dataclass(frozen=True)
 class DeviceBank:
     """A bank on the device (MemoryBank.to_device): the arrays a routing prefill reads (a pytree
-    for jit) and the longest document in chunks (static: it sizes the memory slots)."""
+    for jit) and the longest document in key/value chunks (static: it sizes the memory slots)."""
 
     arrays: dict[str, Any]
     max_doc_chunks: int
@@ -262,18 +267,29 @@ class MemoryBank:
         return tuple(self.manifest["layers"])
 
     @property
+    def kv_chunk(self) -> int:
+        """Tokens per key/value chunk (banks written before kv_chunk existed: the chunk)."""
+        return self.manifest.get("kv_chunk", self.manifest["chunk"])
+
+    @property
+    def n_kv_chunks(self) -> int:
+        return self.manifest.get("n_kv_chunks", self.manifest["n_chunks"])
+
+    @property
     def max_doc_chunks(self) -> int:
-        return -(-self.manifest["longest_doc"] // self.manifest["chunk"])
+        """The longest document in key/value chunks (the memory slots one document takes)."""
+        return -(-self.manifest["longest_doc"] // self.kv_chunk)
 
     def _files(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         """{file name: (committed shape, dtype)}."""
         m = self.manifest
-        n, c, row = m["n_docs"], m["n_chunks"], (m["kv_heads"], m["head_dim"])
+        n, row = m["n_docs"], (m["kv_heads"], m["head_dim"])
+        rows = {"route_k": m["n_chunks"], "k": self.n_kv_chunks, "v": self.n_kv_chunks}
         files = {"doc_chunks.bin": ((n,), np.dtype(np.int32)),
                  "doc_length.bin": ((n,), np.dtype(np.int32))}
         for i in m["layers"]:
             for name in ARRAYS:
-                files[f"layer_{i}.{name}.bin"] = ((c,) + row, np.dtype(np.float32))
+                files[f"layer_{i}.{name}.bin"] = ((rows[name],) + row, np.dtype(np.float32))
         return files
 
     @classmethod
@@ -295,9 +311,10 @@ class MemoryBank:
                             "routing layers' chunks")
         path.mkdir(parents=True, exist_ok=True)
         manifest = {"format": FORMAT, "model": model_signature(model), "layers": list(layers),
-                    "chunk": cfg.msa.chunk, "kv_heads": cfg.n_kv_heads,
-                    "head_dim": cfg.resolved_head_dim, "dtype": "float32", "n_docs": 0,
-                    "n_chunks": 0, "n_tokens": 0, "longest_doc": 0,
+                    "chunk": cfg.msa.chunk, "kv_chunk": cfg.msa.resolved_kv_chunk,
+                    "kv_heads": cfg.n_kv_heads, "head_dim": cfg.resolved_head_dim,
+                    "dtype": "float32", "n_docs": 0, "n_chunks": 0, "n_kv_chunks": 0,
+                    "n_tokens": 0, "longest_doc": 0,
                     "max_doc_length": int(max_doc_length), "appending": False}
         bank = cls(path, manifest)
         for name in bank._files():
@@ -390,16 +407,18 @@ class MemoryBank:
         jl.write_text("".join(line + "\n" for line in kept + lines))
         self.manifest = dict(m, n_docs=m["n_docs"] + n_new,
                              n_chunks=m["n_chunks"] + int(encoded.doc_chunks.sum()),
+                             n_kv_chunks=self.n_kv_chunks + int(encoded.doc_kv_chunks.sum()),
                              n_tokens=m["n_tokens"] + int(encoded.doc_length.sum()),
                              longest_doc=max(m["longest_doc"], longest), appending=False)
         _write_manifest(self.path, self.manifest)
 
     def to_device(self, mesh: jax.sharding.Mesh | None = None) -> DeviceBank:
-        """The bank on the device (DeviceBank: arrays {"layers": {i: {route_k, k, v [Cp,K,Dh]}},
-        "chunk_doc" [Cp], "doc_start", "doc_chunks" [N]} and max_doc_chunks), chunks padded
-        (msa_routing.bank_chunk_padding; the padding belongs to document N: never scored, never
-        gathered). With a mesh the chunk arrays are split over its axes > 1, so that each device
-        scores its own share (msa_routing.bank_document_scores); query under that mesh
+        """The bank on the device (DeviceBank: arrays {"layers": {i: {route_k [Cp,K,Dh], k, v
+        [Ckv',K,Dh]}}, "chunk_doc" [Cp], "kv_start", "kv_chunks" [N]} and max_doc_chunks). The
+        routing chunks are padded to the scoring tile (msa_routing.bank_chunk_padding; the padding
+        belongs to document N: never scored), the key/value chunks to a multiple of the devices
+        (never gathered). With a mesh the chunk arrays are split over its axes > 1, so that each
+        device scores its own share (msa_routing.bank_document_scores); query under that mesh
         (bank_prefill's mesh)."""
         if self.n_docs == 0:
             raise BankError(f"memory bank {self.path} is empty; append documents first")
@@ -412,6 +431,9 @@ class MemoryBank:
         padded = bank_chunk_padding(total, devices)
         chunk_doc = np.full(padded, self.n_docs, np.int32)
         chunk_doc[:total] = np.repeat(np.arange(self.n_docs, dtype=np.int32), doc_chunks)
+        kv_chunks = -(-np.asarray(self.array("doc_length")) // self.kv_chunk).astype(np.int32)
+        kv_total = self.n_kv_chunks
+        kv_padded = -(-kv_total // devices) * devices
 
         def put(a):
             if devices == 1:
@@ -419,12 +441,13 @@ class MemoryBank:
             spec = jax.sharding.PartitionSpec(axes, *([None] * (a.ndim - 1)))
             return jax.device_put(a, jax.sharding.NamedSharding(mesh, spec))
 
-        pad = ((0, padded - total), (0, 0), (0, 0))
-        layers = {i: {name: put(np.pad(self.array(f"layer_{i}.{name}"), pad))
+        pad = {"route_k": padded - total, "k": kv_padded - kv_total, "v": kv_padded - kv_total}
+        layers = {i: {name: put(np.pad(self.array(f"layer_{i}.{name}"),
+                                       ((0, pad[name]), (0, 0), (0, 0))))
                       for name in ARRAYS} for i in self.layers}
-        start = np.concatenate([[0], np.cumsum(doc_chunks)[:-1]]).astype(np.int32)
+        start = np.concatenate([[0], np.cumsum(kv_chunks)[:-1]]).astype(np.int32)
         return DeviceBank({"layers": layers, "chunk_doc": put(chunk_doc),
-                           "doc_start": jnp.asarray(start), "doc_chunks": jnp.asarray(doc_chunks)},
+                           "kv_start": jnp.asarray(start), "kv_chunks": jnp.asarray(kv_chunks)},
                           self.max_doc_chunks)
 
 
@@ -460,7 +483,7 @@ def attach_bank(model: nnx.Module, cache: tuple, arrays: dict[str, Any],
     cfg = model.cfg
     m = cfg.msa.top_k * max_doc_chunks
     size = cfg.block_size
-    shared = {key: arrays[key] for key in ("chunk_doc", "doc_start", "doc_chunks")}
+    shared = {key: arrays[key] for key in ("chunk_doc", "kv_start", "kv_chunks")}
 
     def with_memory(layer_cache, i):
         inner = layer_cache["mixer"] if "conv" in layer_cache else layer_cache

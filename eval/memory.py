@@ -230,6 +230,7 @@ def run_niah(checkpoint: str, sizes: list[int], out_dir: Path, *, queries: int, 
         start = stop
     result = {"checkpoint": str(checkpoint), "step": loaded.step, "queries": queries,
               "top_k": model.cfg.msa.top_k, "chunk": model.cfg.msa.chunk,
+              "kv_chunk": model.cfg.msa.resolved_kv_chunk,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows}
     (out_dir / "memory_niah.json").write_text(json.dumps(result, indent=1))
     return result
@@ -291,7 +292,8 @@ def main(argv=None) -> int:
                                  overwrite=args.overwrite, max_doc_length=args.max_doc_length,
                                  progress=True)
             print(f"bank {args.out}: {bank.n_docs} documents, {bank.n_tokens} tokens, "
-                  f"{bank.n_chunks} chunks per routing layer {list(bank.layers)}")
+                  f"{bank.n_chunks} routing chunks and {bank.n_kv_chunks} key/value chunks per "
+                  f"routing layer {list(bank.layers)}")
         elif args.command == "query":
             loaded = load_model(args.checkpoint, overrides=args.set)
             tok = loaded.tokenizer

@@ -2,8 +2,8 @@
 
 Shape letters: B batch, T tokens, D d_model, H query heads, K key/value heads (H = G * K), Dh
 head_dim, N document slots per row (MSAConfig.max_documents), C chunk slots per row
-(min(T, T // chunk + N): every document has ceil(length / chunk) chunks, at most T // chunk + N in
-all), L = chunk.
+(min(T, T // L + N): every document has ceil(length / L) chunks, at most T // L + N in all),
+L = chunk for the routing keys and L = kv_chunk (MSAConfig.resolved_kv_chunk) for keys and values.
 
 Batch representation (packed rows; it rides on the segment_ids and positions every mixer gets, so
 the Transformer passes it through unchanged):
@@ -25,8 +25,12 @@ has no query: an MSA layer then is causal attention within each segment, like "d
 
 The layer: q, k, v projections (GQA) with RoPE at the given (document-wise) positions; bias-free
 routing projections router_q [D,H,Dh] and router_k [D,K,Dh], rotated the same way. Per document,
-K, V and the routing key are mean-pooled per chunk of L tokens after RoPE (a last partial chunk
-averages only its real tokens). Routing score of a chunk: reduce over the router-read query tokens
+K, V and the routing key are mean-pooled per chunk after RoPE (a last partial chunk averages only
+its real tokens): the routing key per `chunk` tokens, K and V per `kv_chunk` tokens (by default the
+same chunk, as the paper; kv_chunk < chunk keeps more of each chosen document for the query to
+read, kv_chunk = 1 all of it, unpooled, while routing still compares one key per chunk: an option
+added here because a tiny model routes on chunk averages but cannot copy out of them, see
+eval/BENCHMARKS.md "MSA"). Routing score of a chunk: reduce over the router-read query tokens
 (query_reduce) of reduce over heads (head_reduce; query head h uses key head h // G) of
 cos(q_route, k_route_chunk); document score: reduce over its chunks (chunk_reduce); the top
 min(top_k, documents in the row) documents are selected (ties: lower document index wins). Scores
@@ -65,11 +69,12 @@ a forward over rows of documents only returns with capture_intermediates=True.
 
 Cache (prefill and decode): {"k", "v": [B,K,M+S,Dh] head-major, "lengths": [B] (the query's own
 tokens in the cache), "mem": [B,M] bool (the memory slots in use), "docs": [B,top_k] int32 (the
-bank documents in memory, best first, -1 = none)}: the first M slots hold pooled chunks of memory
-documents, the query's own tokens go at M + lengths. init_cache makes M = 0 (an MSA model then
+bank documents in memory, best first, -1 = none)}: the first M slots hold pooled key/value chunks
+of memory documents, the query's own tokens go at M + lengths. init_cache makes M = 0 (an MSA model then
 decodes as causal attention over its own context); memory_bank.attach_bank gives a routing
-layer's cache M = top_k * (the bank's longest document in chunks) slots and a "bank" entry (its
-pooled route_k / k / v [Cp,K,Dh], chunk_doc [Cp], doc_start / doc_chunks [N]). A cached call
+layer's cache M = top_k * (the bank's longest document in key/value chunks) slots and a "bank"
+entry (its pooled route_k [Cp,K,Dh] with chunk_doc [Cp], k / v [Ckv,K,Dh] with kv_start /
+kv_chunks [N]: where each document's key/value chunks start, and how many). A cached call
 whose cache holds a bank routes: its router-read query tokens (segment id < 0, without the last a
 of an id -(1 + a)) score the bank in tiles with the training rule
 (msa_routing.bank_document_scores), the top min(top_k, N) documents' pooled chunks are gathered
@@ -114,8 +119,11 @@ TEMPERATURE_RANGE = (0.001, 0.5)
 class MSAConfig:
     """Memory Sparse Attention settings, used by layers whose mixer is "msa".
 
-    chunk: tokens per pooled chunk (L); top_k: documents each routing layer selects (capped at the
-    row's documents); routing_layers: layer indices (of the whole model) that route, None = the
+    chunk: tokens per pooled chunk (L) of the routing keys, and of the keys and values unless
+    kv_chunk says otherwise; kv_chunk: tokens per pooled key/value chunk that a query attends to
+    (None = chunk, as the paper; 1 = the chosen documents' own keys and values, unpooled: routing
+    on chunk averages, reading at full resolution, which is not MSA as published, see the module
+    docstring); top_k: documents each routing layer selects (capped at the row's documents); routing_layers: layer indices (of the whole model) that route, None = the
     MSA layers in the top half (i >= n_layers // 2); head_reduce / query_reduce / chunk_reduce: the
     three reductions of the routing score (module docstring); query_offset: first position of the
     query segment (None = top_k; used by batch builders, see pack_row); temperature: initial
@@ -123,6 +131,7 @@ class MSAConfig:
     """
 
     chunk: int = 64
+    kv_chunk: int | None = None
     top_k: int = 16
     routing_layers: tuple[int, ...] | None = None
     head_reduce: str = "mean"
@@ -144,6 +153,10 @@ class MSAConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"MSAConfig.{name}={v!r}: must be a positive int")
+        kv = self.kv_chunk
+        if kv is not None and (not isinstance(kv, int) or isinstance(kv, bool) or kv <= 0):
+            raise ValueError(f"MSAConfig.kv_chunk={kv!r}: must be a positive int, or None (= "
+                             "chunk)")
         if isinstance(self.routing_layers, list):
             object.__setattr__(self, "routing_layers", tuple(self.routing_layers))
         rl = self.routing_layers
@@ -169,6 +182,10 @@ class MSAConfig:
         if not isinstance(w, (int, float)) or isinstance(w, bool) or not w >= 0:
             raise ValueError(f"MSAConfig.routing_loss_weight={w!r}: must be a number >= 0")
         check_implementation("MSAConfig", self.implementation)
+
+    @property
+    def resolved_kv_chunk(self) -> int:
+        return self.chunk if self.kv_chunk is None else self.kv_chunk
 
     @property
     def resolved_query_offset(self) -> int:
@@ -296,10 +313,12 @@ class MSAttention(nnx.Module):
     def _routed(self, p: dict[str, jax.Array], seg: jax.Array, kernel: dict) -> jax.Array:
         c = self.cfg.msa
         batch = seg.shape[0]
-        layout = document_layout(seg, c.chunk, c.max_documents)
+        layout = document_layout(seg, c.chunk, c.max_documents)  # routing chunks
+        kv_layout = (layout if c.resolved_kv_chunk == c.chunk
+                     else document_layout(seg, c.resolved_kv_chunk, c.max_documents))
         query_id, _, reads = query_roles(seg)
-        k_chunks, v_chunks, kr_chunks = (pool_chunks(p[n], layout)
-                                         for n in ("k", "v", "k_route"))
+        k_chunks, v_chunks = (pool_chunks(p[n], kv_layout) for n in ("k", "v"))
+        kr_chunks = pool_chunks(p["k_route"], layout)
         for name, value in (("pooled_k", k_chunks), ("pooled_v", v_chunks),
                             ("pooled_route_k", kr_chunks)):
             record(self, name, value)  # a memory bank's encoding; dropped unless captured
@@ -307,13 +326,13 @@ class MSAttention(nnx.Module):
         ranks, selected = select_documents(scores, layout["n_docs"], c.top_k)
         selected = selected & (self.routes[...] > 0)
         n = c.max_documents
-        chunk_sel = jnp.take_along_axis(jnp.pad(selected, ((0, 0), (0, 1))), layout["chunk_doc"],
-                                        axis=1) & (layout["count"] > 0)
+        chunk_sel = jnp.take_along_axis(jnp.pad(selected, ((0, 0), (0, 1))),
+                                        kv_layout["chunk_doc"], axis=1) & (kv_layout["count"] > 0)
         chunk_seg = jnp.where(chunk_sel, query_id[:, None], _HIDDEN)
         k_all = jnp.concatenate([k_chunks, p["k"]], axis=1)
         v_all = jnp.concatenate([v_chunks, p["v"]], axis=1)
         kv_seg = jnp.concatenate([chunk_seg, seg], axis=1)
-        offset = jnp.full((batch,), layout["n_slots"], jnp.int32)
+        offset = jnp.full((batch,), kv_layout["n_slots"], jnp.int32)
         y = flash_attention(p["q"], k_all, v_all, mask=AttentionMask(causal=True),
                             segment_ids=(seg, kv_seg), q_offset=offset, **kernel)
 
@@ -346,10 +365,10 @@ class MSAttention(nnx.Module):
             reads = (jnp.zeros((batch, seq), jnp.bool_) if segment_ids is None
                      else query_roles(segment_ids)[2])
             scores = bank_document_scores(p["q_route"], reads, bank["route_k"],
-                                          bank["chunk_doc"], bank["doc_start"].shape[0], c)
+                                          bank["chunk_doc"], bank["kv_start"].shape[0], c)
             docs = jnp.where(self.routes[...] > 0, select_bank_documents(scores, c.top_k), -1)
-            mem_k, mem_v, mem = gather_memory(bank["k"], bank["v"], bank["doc_start"],
-                                              bank["doc_chunks"], docs, m // c.top_k)
+            mem_k, mem_v, mem = gather_memory(bank["k"], bank["v"], bank["kv_start"],
+                                              bank["kv_chunks"], docs, m // c.top_k)
             k_all = k_all.at[:, :, :m].set(mem_k.astype(k_all.dtype))
             v_all = v_all.at[:, :, :m].set(mem_v.astype(v_all.dtype))
         visible = jnp.concatenate([jnp.broadcast_to(mem[:, None, :], (batch, seq, m)),
@@ -370,14 +389,15 @@ class MSAttention(nnx.Module):
 
     def flops_per_token(self, seq_len: int) -> float:
         """Projections (q, k, v, o and the two router projections), routing scores against every
-        chunk 2*H*Dh*seq_len/L, and 4*H*Dh per attended key: the causal context (as dense) plus
-        the selected documents' chunks (at most top_k documents of a seq_len-token row)."""
+        routing chunk 2*H*Dh*seq_len/L, and 4*H*Dh per attended key: the causal context (as dense)
+        plus the selected documents' key/value chunks (at most top_k documents of a seq_len-token
+        row)."""
         cfg, c = self.cfg, self.cfg.msa
         dh, h, k = cfg.resolved_head_dim, cfg.n_heads, cfg.n_kv_heads
         proj = 2.0 * cfg.d_model * dh * (3 * h + 3 * k)
-        chunks = seq_len / c.chunk
-        scoring = 2.0 * h * dh * chunks
-        attn = 4.0 * h * dh * ((seq_len + 1) / 2.0 + min(chunks + c.top_k, seq_len))
+        scoring = 2.0 * h * dh * seq_len / c.chunk
+        kv_chunks = seq_len / c.resolved_kv_chunk
+        attn = 4.0 * h * dh * ((seq_len + 1) / 2.0 + min(kv_chunks + c.top_k, seq_len))
         return proj + scoring + attn
 
 

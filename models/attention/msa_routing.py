@@ -4,9 +4,9 @@ top-k selection, the InfoNCE routing loss and recall; and their memory-bank form
 bank of pre-encoded documents (aiinfra_jax/memory_bank.py) in tiles and gather the chosen
 documents' pooled chunks into a query's cache.
 
-Shape letters as in msa.py; for a bank: Cb pooled chunks of N documents (Cp: Cb padded to a
-multiple of the scoring tile), M memory slots of a query's cache (top_k * the longest document's
-chunks).
+Shape letters as in msa.py; for a bank: Cb pooled routing chunks of N documents (Cp: Cb padded to
+a multiple of the scoring tile), Ckv pooled key/value chunks, M memory slots of a query's cache
+(top_k * the longest document's key/value chunks).
 
 Training and the bank share one scoring rule (chunk_scores, then accumulate_document_scores): the
 bank only splits the chunks into tiles, so a query scores a bank exactly as the same documents in
@@ -317,22 +317,22 @@ def select_bank_documents(scores_bn: jax.Array, top_k: int) -> jax.Array:
     return jnp.pad(docs, ((0, 0), (0, top_k - k)), constant_values=-1)
 
 
-def gather_memory(bank_k: jax.Array, bank_v: jax.Array, doc_start: jax.Array,
-                  doc_chunks: jax.Array, docs_bk: jax.Array, max_chunks: int
+def gather_memory(bank_k: jax.Array, bank_v: jax.Array, kv_start: jax.Array,
+                  kv_chunks: jax.Array, docs_bk: jax.Array, max_chunks: int
                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(mem_k, mem_v [B,K,M,Dh], valid [B,M]) with M = k * max_chunks: the r-th selected
     document in increasing document order (the order of a packed row's chunks, so that sums run
-    as in training) has its chunks c < doc_chunks[doc] at memory slots r * max_chunks + c, from the
-    bank's pooled keys and values [Cp,K,Dh] (document d's chunks at doc_start[d] ...); docs_bk
-    [B,k] in any order (-1 = none)."""
+    as in training) has its key/value chunks c < kv_chunks[doc] at memory slots r * max_chunks +
+    c, from the bank's pooled keys and values [Ckv,K,Dh] (document d's at kv_start[d] ...);
+    docs_bk [B,k] in any order (-1 = none)."""
     batch, k = docs_bk.shape
     big = jnp.iinfo(jnp.int32).max
     docs_bk = jnp.sort(jnp.where(docs_bk >= 0, docs_bk, big), axis=1)
     docs_bk = jnp.where(docs_bk == big, -1, docs_bk)
     c = jnp.arange(max_chunks, dtype=jnp.int32)
     d = jnp.maximum(docs_bk, 0)
-    valid = (docs_bk >= 0)[:, :, None] & (c[None, None, :] < doc_chunks[d][:, :, None])
-    index = jnp.where(valid, doc_start[d][:, :, None] + c, 0).reshape(batch, k * max_chunks)
+    valid = (docs_bk >= 0)[:, :, None] & (c[None, None, :] < kv_chunks[d][:, :, None])
+    index = jnp.where(valid, kv_start[d][:, :, None] + c, 0).reshape(batch, k * max_chunks)
     mem_k = bank_k[index].swapaxes(1, 2)  # [B,M,K,Dh] -> head-major
     mem_v = bank_v[index].swapaxes(1, 2)
     valid = valid.reshape(batch, k * max_chunks)

@@ -63,10 +63,12 @@ def _project(layer, x, pos):
     return layer._project(x, pos)
 
 
-def _layer(layer_index=1):
-    if layer_index not in _LAYERS:
-        _LAYERS[layer_index] = MSAttention(CFG, rngs=nnx.Rngs(0), layer_index=layer_index)
-    return nnx.clone(_LAYERS[layer_index])
+def _layer(layer_index=1, kv_chunk=None):
+    key = (layer_index, kv_chunk)
+    if key not in _LAYERS:
+        cfg = dataclasses.replace(CFG, msa=dataclasses.replace(MSA, kv_chunk=kv_chunk))
+        _LAYERS[key] = MSAttention(cfg, rngs=nnx.Rngs(0), layer_index=layer_index)
+    return nnx.clone(_LAYERS[key])
 
 
 @nnx.jit
@@ -217,17 +219,20 @@ def test_infonce_is_exact_at_small_temperature():
 
 def _dense_reference(layer, x, pos, seg):
     """Float64 numpy: the layer's output from its own projections with an explicit mask over
-    [pooled chunks of the selected documents ; tokens] (selection from the float64 scores)."""
+    [pooled key/value chunks of the selected documents ; tokens] (selection from the float64
+    scores of the routing chunks)."""
     p = {k: np.asarray(v, np.float64) for k, v in _project(layer, x, pos).items()}
     wo = np.asarray(layer.wo[...], np.float64)
     routes = int(layer.routes[...])
+    kv_chunk = layer.cfg.msa.resolved_kv_chunk
     outs = []
     for b in range(x.shape[0]):
         seg_row = np.asarray(seg[b])
-        chunks = _chunks_np(seg_row, MSA.chunk)
-        pooled = {n: np.stack([p[n][b, rows].mean(0) for _, rows in chunks])
-                  for n in ("k", "v", "k_route")}
-        scores = _scores_np(p["q_route"][b], pooled["k_route"], seg_row, MSA)
+        route_chunks = _chunks_np(seg_row, MSA.chunk)
+        k_route = np.stack([p["k_route"][b, rows].mean(0) for _, rows in route_chunks])
+        chunks = _chunks_np(seg_row, kv_chunk)
+        pooled = {n: np.stack([p[n][b, rows].mean(0) for _, rows in chunks]) for n in ("k", "v")}
+        scores = _scores_np(p["q_route"][b], k_route, seg_row, MSA)
         chosen = _topk_np(scores, MSA.top_k) if routes else set()
         keys = np.concatenate([pooled["k"], p["k"][b]])
         vals = np.concatenate([pooled["v"], p["v"][b]])
@@ -248,9 +253,11 @@ def _dense_reference(layer, x, pos, seg):
     return np.stack(outs)
 
 
-@pytest.mark.parametrize("layer_index", [1, 0])  # routing, non-routing
-def test_layer_matches_dense_mask_reference(layer_index):
-    layer = _layer(layer_index)
+@pytest.mark.parametrize("layer_index,kv_chunk", [
+    (1, None), (0, None),  # routing, non-routing
+    (1, 1), (1, 3)])  # key/value chunks of 1 (unpooled) and 3 tokens, routing chunks of 4
+def test_layer_matches_dense_mask_reference(layer_index, kv_chunk):
+    layer = _layer(layer_index, kv_chunk)
     assert int(layer.routes[...]) == (layer_index == 1)
     x = _x(3)
     got = np.asarray(_apply(layer, x, POS, SEG))
@@ -388,7 +395,7 @@ def test_transformer_forward_backward_with_dense_and_msa():
 
 
 @pytest.mark.parametrize("kwargs,field", [
-    (dict(chunk=0), "chunk"), (dict(head_reduce="sum"), "head_reduce"),
+    (dict(chunk=0), "chunk"), (dict(kv_chunk=0), "kv_chunk"), (dict(head_reduce="sum"), "head_reduce"),
     (dict(query_reduce="first"), "query_reduce"), (dict(temperature=0.9), "temperature"),
     (dict(routing_loss_form="coupled"), "routing_loss_form"),
     (dict(routing_layers=(-1,)), "routing_layers"), (dict(implementation="cuda"),

@@ -108,15 +108,19 @@ def _bank_logits(model, device_bank, prompts, answers):
     return out, cache
 
 
-def test_decode_from_bank_equals_full_forward(tmp_path):
+@pytest.mark.parametrize("kv_chunk", [None, 3])  # key/value chunks as the routing chunks / of 3
+def test_decode_from_bank_equals_full_forward(tmp_path, kv_chunk):
     """Documents encoded in rows of 16 tokens (packed otherwise than in the full row), routed
     over in one prefill of two right-padded prompts, answers decoded step by step: every query
     logit equals the training forward over [all documents ; query], and without the bank they
     differ (the memory matters)."""
-    model = _model()
+    model = _model(cfg=dataclasses.replace(CFG, msa=dataclasses.replace(MSA, kv_chunk=kv_chunk)))
     docs = _docs()
     bank = mb.build_bank(model, docs, tmp_path / "bank", max_doc_length=16, row_len=16)
+    kv = kv_chunk or 4
     assert bank.n_docs == 5 and bank.n_chunks == sum(-(-n // 4) for n in DOC_LENGTHS)
+    assert bank.n_kv_chunks == sum(-(-n // kv) for n in DOC_LENGTHS)
+    assert bank.array("layer_1.k").shape == (bank.n_kv_chunks, 2, 8)
     device_bank = bank.to_device()
     steps, cache = _bank_logits(model, device_bank, PROMPTS, ANSWERS)
     chosen = mb.cache_documents(model, cache)
@@ -167,6 +171,11 @@ def test_generate_from_bank_round_trip_and_append(tmp_path):
     assert parts.manifest == reopened.manifest and not reopened.manifest["appending"]
     for name in ("doc_chunks", "layer_1.route_k", "layer_1.k", "layer_1.v"):
         np.testing.assert_allclose(reopened.array(name), whole.array(name), rtol=0, atol=1e-6)
+    # A bank written before kv_chunk existed (no kv_chunk, n_kv_chunks) reads as kv_chunk = chunk.
+    old = {k: v for k, v in whole.manifest.items() if k not in ("kv_chunk", "n_kv_chunks")}
+    (whole.path / "manifest.json").write_text(json.dumps(old))
+    whole = mb.MemoryBank.open(whole.path, model=model)
+    assert (whole.kv_chunk, whole.n_kv_chunks) == (4, whole.n_chunks)
     answers = [mb.generate_from_bank(model, b.to_device(), PROMPTS, max_new_tokens=4)
                for b in (whole, reopened)]
     for a in answers[1:]:
