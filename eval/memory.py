@@ -18,7 +18,9 @@ document holds a fact of another key while distinct keys last (10,302 adjective-
 rest are plain haystack. Each query is "[BOS]{key} is " (the training query's prompt); it is right
 when the greedy answer up to EOS is the value. Per size: exact match, the answer tokens' NLL and
 greedy accuracy given the true prefix (teacher forced), the share of queries whose needle
-document is each routing layer's first choice (recall@1) and among its top-k, encoding
+document is each routing layer's first choice (recall@1) and among its top-k, the share that some
+routing layer brought into memory and exact match / token accuracy over those alone (the reading,
+apart from the routing), encoding
 throughput (tokens/s of that append), prefill time of one query (routing over the whole bank) and
 decode time per token (which the bank does not touch), bank bytes per memory token, and device
 bytes of the bank. Results go to DIR/memory_niah.json and a markdown table on stdout.
@@ -127,12 +129,12 @@ def _time(fn, repeats: int = 3) -> float:
 
 
 def _teacher_forced(model, tokenizer, device_bank, prompts, needles, batch, mesh
-                    ) -> tuple[float, int, int]:
-    """(summed NLL, greedy hits, count) over the answer tokens and EOS, each given the true
-    prefix, with the answer unread by the router (routing on the prompt alone, as in training).
-    They move as soon as the model starts to copy; exact match waits for whole answers."""
-    nll = 0.0
-    hits = count = 0
+                    ) -> np.ndarray:
+    """[queries, 3]: (summed NLL, greedy hits, count) of each query's answer tokens and EOS, each
+    given the true prefix, with the answer unread by the router (routing on the prompt alone, as
+    in training). They move as soon as the model starts to copy; exact match waits for whole
+    answers."""
+    out = []
     for first in range(0, len(prompts), batch):
         rows = []
         for prompt, (_, _, value) in zip(prompts[first:first + batch],
@@ -151,10 +153,9 @@ def _teacher_forced(model, tokenizer, device_bank, prompts, needles, batch, mesh
         logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
         for b, (p, a) in enumerate(rows):
             at = np.arange(len(p) - 1, len(p) - 1 + len(a))
-            nll -= float(logp[b, at, a].sum())
-            hits += int((logp[b, at].argmax(-1) == np.asarray(a)).sum())
-            count += len(a)
-    return nll, hits, count
+            out.append((-float(logp[b, at, a].sum()),
+                        int((logp[b, at].argmax(-1) == np.asarray(a)).sum()), len(a)))
+    return np.asarray(out, np.float64)
 
 
 def evaluate_size(model, tokenizer, bank: mb.MemoryBank, needles, *, batch: int,
@@ -164,7 +165,8 @@ def evaluate_size(model, tokenizer, bank: mb.MemoryBank, needles, *, batch: int,
     device_bank = bank.to_device(mesh)
     prompts = [[tokenizer.bos_id] + hs.encode(tokenizer, query_prompt(key)).tolist()
                for _, key, _ in needles]
-    right, found, first_choice = 0, {}, {}
+    right, found, first_choice = np.zeros(len(needles), bool), {}, {}
+    in_memory = np.zeros(len(needles), bool)  # the needle among some routing layer's choices
     for first in range(0, len(prompts), batch):
         part = needles[first:first + batch]
         ans = mb.generate_from_bank(model, device_bank, prompts[first:first + batch],
@@ -172,12 +174,14 @@ def evaluate_size(model, tokenizer, bank: mb.MemoryBank, needles, *, batch: int,
                                     mesh=mesh)
         toks, lens = np.asarray(ans.result.tokens), np.asarray(ans.result.lengths)
         for b, (doc, _, value) in enumerate(part):
-            right += _answer_text(tokenizer, toks[b], lens[b]) == value
+            right[first + b] = _answer_text(tokenizer, toks[b], lens[b]) == value
+            in_memory[first + b] = any(doc in c[b] for c in ans.documents.values())
             for layer, chosen in ans.documents.items():
                 found[layer] = found.get(layer, 0) + int(doc in chosen[b])
                 first_choice[layer] = first_choice.get(layer, 0) + int(doc == chosen[b][0])
-    nll, hits, count = _teacher_forced(model, tokenizer, device_bank, prompts, needles, batch,
-                                       mesh)
+    forced = _teacher_forced(model, tokenizer, device_bank, prompts, needles, batch, mesh)
+    nll, hits, count = forced.sum(0)
+    mem_hits, mem_count = forced[in_memory, 1].sum(), forced[in_memory, 2].sum()
     # One query: the prefill (routing over every chunk) and the decode steps, timed apart.
     one = np.asarray([prompts[0]], np.int32)
     length = np.asarray([one.shape[1]], np.int32)
@@ -195,8 +199,13 @@ def evaluate_size(model, tokenizer, bank: mb.MemoryBank, needles, *, batch: int,
     device = sum(int(np.prod(a.shape)) * a.dtype.itemsize
                  for a in jax.tree.leaves(device_bank.arrays))
     return {"tokens": bank.n_tokens, "documents": bank.n_docs, "chunks": bank.n_chunks,
-            "exact_match": right / len(needles), "answer_nll": nll / count,
+            "exact_match": float(right.mean()), "answer_nll": nll / count,
             "answer_token_acc": hits / count,
+            # The reading alone: the queries whose needle some routing layer brought into memory.
+            "needle_in_memory": float(in_memory.mean()),
+            "exact_match_in_memory": (float(right[in_memory].mean()) if in_memory.any()
+                                      else None),
+            "answer_token_acc_in_memory": (mem_hits / mem_count if mem_count else None),
             "recall_topk": {str(k): v / len(needles) for k, v in sorted(found.items())},
             "recall_1": {str(k): v / len(needles) for k, v in sorted(first_choice.items())},
             "prefill_s": prefill_s, "decode_s_per_token": decode_s,
@@ -238,13 +247,19 @@ def run_niah(checkpoint: str, sizes: list[int], out_dir: Path, *, queries: int, 
 
 def markdown(result: dict[str, Any]) -> str:
     layers = sorted({k for r in result["rows"] for k in r["recall_topk"]}, key=int)
-    head = ("| bank | docs | exact match | answer token acc | " + " | ".join(
-        f"needle first / in top-{result['top_k']}, layer {k}" for k in layers)
+
+    def pct(v):
+        return "-" if v is None else f"{100 * v:.1f}%"
+
+    head = ("| bank | docs | exact match | answer token acc | needle in memory | exact match / "
+            "token acc with it | " + " | ".join(
+                f"needle first / in top-{result['top_k']}, layer {k}" for k in layers)
             + " | encode tok/s | prefill s | decode ms/token | bytes/token |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in result["rows"]:
-        lines.append(f"| {r['size']} | {r['documents']} | {100 * r['exact_match']:.1f}% | "
-                     f"{100 * r['answer_token_acc']:.1f}% | "
+        lines.append(f"| {r['size']} | {r['documents']} | {pct(r['exact_match'])} | "
+                     f"{pct(r['answer_token_acc'])} | {pct(r['needle_in_memory'])} | "
+                     f"{pct(r['exact_match_in_memory'])} / {pct(r['answer_token_acc_in_memory'])} | "
                      + " | ".join(f"{100 * r['recall_1'][k]:.0f}% / {100 * r['recall_topk'][k]:.0f}%"
                                   for k in layers)
                      + f" | {r['encode_tokens_per_s']:,.0f} | {r['prefill_s']:.3f} | "

@@ -46,3 +46,6 @@ def test_memory_cli_build_query_niah(tmp_path, capsys):
         assert 0 <= row["exact_match"] <= 1 and set(row["recall_topk"]) == {"1"}
         assert row["prefill_s"] > 0 and row["decode_s_per_token"] > 0
         assert 0 <= row["answer_token_acc"] <= 1 and row["answer_nll"] > 0
+        # One routing layer: "in memory" is its top-k; the in-memory scores cover those queries.
+        assert row["needle_in_memory"] == row["recall_topk"]["1"]
+        assert (row["exact_match_in_memory"] is None) == (row["needle_in_memory"] == 0)
