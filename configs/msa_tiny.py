@@ -1,4 +1,4 @@
-"""A tiny MSA model (issue 21): routing over short documents, trained on this CPU in about 35 minutes.
+"""A tiny MSA model (issue 21): routing over short documents, trained on this CPU in ~35 minutes.
 
 A byte-level decoder (4 layers, d_model 128, 4 query heads over 2 KV heads of 32, a short
 convolution of width 4 before every mixer), every mixer "msa" (models/attention/msa.py): routing

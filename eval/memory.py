@@ -257,11 +257,12 @@ def markdown(result: dict[str, Any]) -> str:
             + " | encode tok/s | prefill s | decode ms/token | bytes/token |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in result["rows"]:
+        routing = " | ".join(f"{100 * r['recall_1'][k]:.0f}% / {100 * r['recall_topk'][k]:.0f}%"
+                             for k in layers)
         lines.append(f"| {r['size']} | {r['documents']} | {pct(r['exact_match'])} | "
                      f"{pct(r['answer_token_acc'])} | {pct(r['needle_in_memory'])} | "
-                     f"{pct(r['exact_match_in_memory'])} / {pct(r['answer_token_acc_in_memory'])} | "
-                     + " | ".join(f"{100 * r['recall_1'][k]:.0f}% / {100 * r['recall_topk'][k]:.0f}%"
-                                  for k in layers)
+                     f"{pct(r['exact_match_in_memory'])} / "
+                     f"{pct(r['answer_token_acc_in_memory'])} | " + routing
                      + f" | {r['encode_tokens_per_s']:,.0f} | {r['prefill_s']:.3f} | "
                      f"{1000 * r['decode_s_per_token']:.2f} | {r['bank_bytes_per_token']:.0f} |")
     return "\n".join(lines)

@@ -70,10 +70,10 @@ a forward over rows of documents only returns with capture_intermediates=True.
 Cache (prefill and decode): {"k", "v": [B,K,M+S,Dh] head-major, "lengths": [B] (the query's own
 tokens in the cache), "mem": [B,M] bool (the memory slots in use), "docs": [B,top_k] int32 (the
 bank documents in memory, best first, -1 = none)}: the first M slots hold pooled key/value chunks
-of memory documents, the query's own tokens go at M + lengths. init_cache makes M = 0 (an MSA model then
-decodes as causal attention over its own context); memory_bank.attach_bank gives a routing
-layer's cache M = top_k * (the bank's longest document in key/value chunks) slots and a "bank"
-entry (its pooled route_k [Cp,K,Dh] with chunk_doc [Cp], k / v [Ckv,K,Dh] with kv_start /
+of memory documents, the query's own tokens go at M + lengths. init_cache makes M = 0 (an MSA
+model then decodes as causal attention over its own context); memory_bank.attach_bank gives a
+routing layer's cache M = top_k * (the bank's longest document in key/value chunks) slots and a
+"bank" entry (its pooled route_k [Cp,K,Dh] with chunk_doc [Cp], k / v [Ckv,K,Dh] with kv_start /
 kv_chunks [N]: where each document's key/value chunks start, and how many). A cached call
 whose cache holds a bank routes: its router-read query tokens (segment id < 0, without the last a
 of an id -(1 + a)) score the bank in tiles with the training rule
@@ -123,9 +123,10 @@ class MSAConfig:
     kv_chunk says otherwise; kv_chunk: tokens per pooled key/value chunk that a query attends to
     (None = chunk, as the paper; 1 = the chosen documents' own keys and values, unpooled: routing
     on chunk averages, reading at full resolution, which is not MSA as published, see the module
-    docstring); top_k: documents each routing layer selects (capped at the row's documents); routing_layers: layer indices (of the whole model) that route, None = the
-    MSA layers in the top half (i >= n_layers // 2); head_reduce / query_reduce / chunk_reduce: the
-    three reductions of the routing score (module docstring); query_offset: first position of the
+    docstring); top_k: documents each routing layer selects (capped at the row's documents);
+    routing_layers: layer indices (of the whole model) that route, None = the MSA layers in the
+    top half (i >= n_layers // 2); head_reduce / query_reduce / chunk_reduce: the three
+    reductions of the routing score (module docstring); query_offset: first position of the
     query segment (None = top_k; used by batch builders, see pack_row); temperature: initial
     InfoNCE temperature (a learned scalar, clamped to [0.001, 0.5] at use).
     """

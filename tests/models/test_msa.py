@@ -395,7 +395,8 @@ def test_transformer_forward_backward_with_dense_and_msa():
 
 
 @pytest.mark.parametrize("kwargs,field", [
-    (dict(chunk=0), "chunk"), (dict(kv_chunk=0), "kv_chunk"), (dict(head_reduce="sum"), "head_reduce"),
+    (dict(chunk=0), "chunk"), (dict(kv_chunk=0), "kv_chunk"),
+    (dict(head_reduce="sum"), "head_reduce"),
     (dict(query_reduce="first"), "query_reduce"), (dict(temperature=0.9), "temperature"),
     (dict(routing_loss_form="coupled"), "routing_loss_form"),
     (dict(routing_layers=(-1,)), "routing_layers"), (dict(implementation="cuda"),
