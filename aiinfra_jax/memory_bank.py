@@ -111,10 +111,12 @@ def encode_documents(model: nnx.Module, docs: Sequence[np.ndarray], *, row_len: 
         if docs[j].min() < 0 or docs[j].max() >= cfg.vocab_size:
             raise BankError(f"encode_documents: document {j} has token ids outside [0, "
                             f"{cfg.vocab_size})")
-    chunk, kv_chunk, max_docs = cfg.msa.chunk, cfg.msa.resolved_kv_chunk, cfg.msa.max_documents
-    per_name = {"route_k": chunk, "k": kv_chunk, "v": kv_chunk}
+    # Chunks of every document: routing keys per msa.chunk, keys and values per kv_chunk.
+    n_route = -(-np.asarray(lengths, np.int32) // cfg.msa.chunk)
+    n_kv = -(-np.asarray(lengths, np.int32) // cfg.msa.resolved_kv_chunk)
+    n_chunks = {"route_k": n_route, "k": n_kv, "v": n_kv}
     layers = routing_layer_indices(cfg)
-    rows = _pack(lengths, row_len, max_docs)
+    rows = _pack(lengths, row_len, cfg.msa.max_documents)
     graphdef, state = nnx.split(model)
     out: dict[int, dict[str, list]] = {i: {n: [] for n in ARRAYS} for i in layers}
     bar = _Progress(len(docs), "encoding", progress)
@@ -134,7 +136,7 @@ def encode_documents(model: nnx.Module, docs: Sequence[np.ndarray], *, row_len: 
         pooled = jax.device_get(_encode_rows(graphdef, state, tok, pos, seg, layers))
         for b, row in enumerate(group):
             for name in ARRAYS:
-                base = np.cumsum([0] + [-(-lengths[j] // per_name[name]) for j in row])
+                base = np.concatenate([[0], np.cumsum(n_chunks[name][row])])
                 for i in layers:
                     arr = pooled[i][name][b]
                     out[i][name].extend(arr[base[s]:base[s + 1]] for s in range(len(row)))
@@ -144,8 +146,7 @@ def encode_documents(model: nnx.Module, docs: Sequence[np.ndarray], *, row_len: 
     return Encoded(
         layers={i: {n: np.concatenate(v).astype(np.float32) for n, v in d.items()}
                 for i, d in out.items()},
-        doc_chunks=np.asarray([-(-n // chunk) for n in lengths], np.int32),
-        doc_kv_chunks=np.asarray([-(-n // kv_chunk) for n in lengths], np.int32),
+        doc_chunks=n_route, doc_kv_chunks=n_kv,
         doc_length=np.asarray(lengths, np.int32))
 
 
