@@ -5,6 +5,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `import helpers` (tests/helpers.py)
 
+# `python -m pytest` puts the repository root on sys.path, where our top-level `kernels/` folder
+# (aiinfra_jax.kernels, by pyproject's package-dir) would shadow Hugging Face's `kernels` package,
+# which recent transformers 5.x require and import (5.25.0 here) (the export tests then fail with "cannot import name
+# 'CUDAProperties' from 'kernels'"). The tests import this project only as the installed
+# `aiinfra_jax`, so the root comes off the path.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:

@@ -12,7 +12,7 @@ from flax import nnx
 from aiinfra_jax.generate import decode_step, prefill
 from aiinfra_jax.models import ModelConfig, Transformer
 from aiinfra_jax.models import NSAConfig
-from models.short_conv import ShortConv
+from aiinfra_jax.models.short_conv import ShortConv
 
 W = 4
 CFG = ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=32,
