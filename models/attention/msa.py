@@ -59,7 +59,9 @@ own context.
 Auxiliary outputs (models/auxiliary.py), per MSA layer: loss "routing" = routing_loss_weight *
 routes * InfoNCE over document scores (routing_loss_form: "joint", the positives against all the
 row's documents, or "decoupled", each positive against the negatives only; temperature a learned
-scalar clamped to [0.001, 0.5], exact log-sum-exp; mean over rows with a positive); metrics
+scalar clamped to [0.001, 0.5], exact log-sum-exp; mean over rows with a positive; the negatives
+are the row's other documents, or with routing_negatives="batch" every document of the batch, plus
+metrics "batch_recall@1/5/10" among them and "batch_unfit"); metrics
 "recall@1", "recall@5", "recall@10" (fraction of a row's positives among its top 1 / 5 / 10
 documents, mean over rows with a positive; reported by non-routing MSA layers too, whose router is then untrained).
 
@@ -103,8 +105,9 @@ from ..layers import apply_rope, out_proj_std
 from ..registry import register_config, register_mixer
 from .dense import cache_mask, cache_room, refuse_rows, write_cache
 from .msa_routing import (
-    ANSWER_BIT, INFONCE_FORMS, bank_document_scores, document_layout, document_scores, gather_memory, infonce,
-    pool_chunks, query_roles, recall_at, select_bank_documents, select_documents)
+    ANSWER_BIT, INFONCE_FORMS, bank_document_scores, batch_document_scores, document_layout,
+    document_scores, gather_memory, infonce, pool_chunks, query_roles, recall_at,
+    select_bank_documents, select_documents, top_k_recall)
 
 
 _HIDDEN = int(np.iinfo(np.int32).min)  # kv segment id of a chunk nobody sees (no token has it)
@@ -112,6 +115,7 @@ HEAD_REDUCE = ("mean", "max")
 QUERY_REDUCE = ("max", "mean", "last")
 CHUNK_REDUCE = ("max", "mean")
 TEMPERATURE_RANGE = (0.001, 0.5)
+ROUTING_NEGATIVES = ("row", "batch")
 
 
 @register_config("msa")
@@ -144,13 +148,20 @@ class MSAConfig:
     # InfoNCE over documents: "joint" (all positives against all documents) or "decoupled" (each
     # positive against the negatives only); the same with one positive (msa_routing.infonce).
     routing_loss_form: str = runtime_field("joint")
+    # Negatives of the routing loss: "row" (the other documents of the query's row) or "batch"
+    # (also every document of the batch's other rows: dense retrieval's in-batch negatives, so a
+    # query learns to stand out among B*N documents, not N; msa_routing.batch_document_scores).
+    # "batch" scores each row's first batch_query_tokens router-read query tokens against the
+    # other rows; a row with more keeps only its own row's negatives (metric "batch_unfit").
+    routing_negatives: str = runtime_field("row")
+    batch_query_tokens: int = runtime_field(64)
     # Document slots per row; a row with a query and more documents is refused (outputs NaN).
     max_documents: int = runtime_field(64)
     implementation: str | None = runtime_field(None)  # flash_attention backend (None = best)
     interpret: bool = runtime_field(False)  # Pallas kernels in interpret mode (CPU tests)
 
     def __post_init__(self):
-        for name in ("chunk", "top_k", "max_documents"):
+        for name in ("chunk", "top_k", "max_documents", "batch_query_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"MSAConfig.{name}={v!r}: must be a positive int")
@@ -166,7 +177,8 @@ class MSAConfig:
             raise ValueError(f"MSAConfig.routing_layers={rl!r}: must be a tuple of layer indices "
                              ">= 0, or None (= the MSA layers in the top half of the model)")
         for name, choices in (("head_reduce", HEAD_REDUCE), ("query_reduce", QUERY_REDUCE),
-                              ("chunk_reduce", CHUNK_REDUCE), ("routing_loss_form", INFONCE_FORMS)):
+                              ("chunk_reduce", CHUNK_REDUCE), ("routing_loss_form", INFONCE_FORMS),
+                              ("routing_negatives", ROUTING_NEGATIVES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"MSAConfig.{name}={getattr(self, name)!r}: valid choices: "
                                  f"{choices}")
@@ -338,16 +350,40 @@ class MSAttention(nnx.Module):
                             segment_ids=(seg, kv_seg), q_offset=offset, **kernel)
 
         valid = jnp.arange(n)[None, :] < layout["n_docs"][:, None]
-        temperature = jnp.clip(self.temperature[...].astype(jnp.float32), *TEMPERATURE_RANGE)
-        loss = infonce(scores, layout["positive"], valid, temperature, c.routing_loss_form)
-        report_loss(self, "routing",
-                    c.routing_loss_weight * self.routes[...].astype(jnp.float32) * loss)
         positive = layout["positive"] & valid & jnp.isfinite(scores)
         for k in (1, 5, 10):
             report_metric(self, f"recall@{k}", recall_at(ranks, positive, layout["n_docs"], k))
+        loss_scores, loss_positive = scores, positive
+        if c.routing_negatives == "batch":
+            loss_scores, loss_positive = self._batch_scores(p, reads, kr_chunks, layout, scores,
+                                                            positive)
+        temperature = jnp.clip(self.temperature[...].astype(jnp.float32), *TEMPERATURE_RANGE)
+        loss = infonce(loss_scores, loss_positive, jnp.isfinite(loss_scores), temperature,
+                       c.routing_loss_form)
+        report_loss(self, "routing",
+                    c.routing_loss_weight * self.routes[...].astype(jnp.float32) * loss)
         # A row with more documents than slots is refused only when it has a query to route:
         # plain packed text (no query) uses no chunk slot, so its outputs never depend on them.
         return refuse_rows(y, layout["fits"] | (query_id == 0))
+
+    def _batch_scores(self, p, reads, kr_chunks, layout, scores, positive
+                      ) -> tuple[jax.Array, jax.Array]:
+        """(scores, positives) [B, B*N] of in-batch negatives (MSAConfig.routing_negatives): row
+        i's own documents at [i, i*N:(i+1)*N] (the exact scores), the other rows' documents as
+        negatives where row i's router-read tokens fit batch_query_tokens (else -inf)."""
+        batch, n = scores.shape
+        cross, fits = batch_document_scores(p["q_route"], kr_chunks, reads, layout, self.cfg.msa,
+                                            self.cfg.msa.batch_query_tokens)
+        own = jnp.eye(batch, dtype=jnp.bool_)[:, :, None]
+        cross = jnp.where(own, scores[:, None, :], jnp.where(fits[:, None, None], cross, -jnp.inf))
+        cross = cross.reshape(batch, batch * n)
+        pos = (own & positive[:, None, :]).reshape(batch, batch * n)
+        for k, r in zip((1, 5, 10), top_k_recall(cross, pos, (1, 5, 10))):
+            report_metric(self, f"batch_recall@{k}", r)
+        has_query = jnp.any(reads, axis=1)
+        report_metric(self, "batch_unfit", jnp.sum(has_query & ~fits)
+                      / jnp.maximum(jnp.sum(has_query), 1))
+        return cross, pos
 
     def _cached(self, p: dict[str, jax.Array], segment_ids: jax.Array | None,
                 cache: dict[str, Any]) -> tuple[jax.Array, dict[str, Any]]:

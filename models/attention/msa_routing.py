@@ -17,7 +17,7 @@ jax.lax.top_k documents the same rule).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -167,6 +167,52 @@ def document_scores(q_route: jax.Array, k_route_chunks: jax.Array, reads: jax.Ar
     return jnp.where(valid & jnp.any(reads, axis=1)[:, None], doc, -jnp.inf)
 
 
+def batch_document_scores(q_route: jax.Array, k_route_chunks: jax.Array, reads: jax.Array,
+                          layout: dict[str, Any], cfg: Any, max_tokens: int
+                          ) -> tuple[jax.Array, jax.Array]:
+    """In-batch negatives (MSAConfig.routing_negatives="batch"): every row's query scored against
+    every row's documents by document_scores' rule -> (scores [B,B,N] float32, [i, j] = row i's
+    query on row j's documents, -inf for empty slots and rows without router-read tokens;
+    fits [B] bool).
+
+    The query side keeps each row's first max_tokens router-read tokens (gathered in order), so
+    the scores cost B*max_tokens*B*C dot products instead of B*T*B*C; where a row has no more
+    than that (fits), its scores are exact, and the diagonal [i, i] equals document_scores."""
+    batch, seq = reads.shape
+    n, c_slots = layout["positive"].shape[1], k_route_chunks.shape[1]
+    r = min(max_tokens, seq)
+    order = jnp.argsort(jnp.logical_not(reads), axis=1, stable=True)[:, :r]  # read tokens first
+    q = jnp.take_along_axis(q_route, order[:, :, None, None], axis=1)
+    q_reads = jnp.take_along_axis(reads, order, axis=1)
+    keys = k_route_chunks.reshape((batch * c_slots,) + k_route_chunks.shape[2:])
+    s = chunk_scores(q, keys, q_reads, cfg)  # [B, B*C]: every row's chunks shared by every query
+    chunk_doc = jnp.where(layout["count"] > 0, layout["chunk_doc"], n)
+    flat_doc = jnp.where(chunk_doc < n, chunk_doc + n * jnp.arange(batch)[:, None], batch * n)
+    flat_doc = jnp.broadcast_to(flat_doc.reshape(1, -1), s.shape)
+    acc = accumulate_document_scores(init_document_scores(batch, batch * n, cfg.chunk_reduce), s,
+                                     flat_doc, cfg.chunk_reduce)
+    doc = finish_document_scores(acc, cfg.chunk_reduce).reshape(batch, batch, n)
+    valid = jnp.arange(n)[None, None, :] < layout["n_docs"][None, :, None]
+    doc = jnp.where(valid & jnp.any(reads, axis=1)[:, None, None], doc, -jnp.inf)
+    return doc, jnp.sum(reads, axis=1) <= r
+
+
+def top_k_recall(scores: jax.Array, positive: jax.Array, ks: Sequence[int]) -> list[jax.Array]:
+    """recall@k for each k of ks from scores [B,M] (-inf = no document) and positives [B,M]: the
+    mean over rows with a positive of the fraction of its positives among its top k (ties: lower
+    index first, jax.lax.top_k's rule). Unlike recall_at it needs no [B,M,M] ranks, for the M =
+    B*N documents of in-batch scoring."""
+    _, top = jax.lax.top_k(scores, min(max(ks), scores.shape[1]))
+    hit = jnp.take_along_axis(positive & jnp.isfinite(scores), top, axis=1)
+    n_pos = jnp.sum(positive & jnp.isfinite(scores), axis=1)
+    rows = n_pos > 0
+    out = []
+    for k in ks:
+        frac = jnp.sum(hit[:, :k], axis=1) / jnp.maximum(n_pos, 1)
+        out.append(jnp.sum(jnp.where(rows, frac, 0.0)) / jnp.maximum(jnp.sum(rows), 1))
+    return out
+
+
 def document_ranks(scores_bn: jax.Array) -> jax.Array:
     """Rank [B,N] int32 of every document slot by score, descending; ties: lower index first
     (explicit pairwise count: deterministic on every backend, no sort)."""
@@ -195,7 +241,10 @@ def _masked_lse(logits: jax.Array, mask: jax.Array) -> jax.Array:
     has = jnp.any(mask, axis=1, keepdims=True)
     top = jax.lax.stop_gradient(jnp.max(jnp.where(mask, logits, -jnp.inf), axis=1, keepdims=True))
     top = jnp.where(has, top, 0.0)
-    mass = jnp.sum(jnp.where(mask, jnp.exp(logits - top), 0.0), axis=1, keepdims=True)
+    # exp of -inf outside the mask, not where(mask, exp(.), 0): a masked logit far above a very
+    # negative max overflows exp to inf, and its zero cotangent times inf is a NaN gradient (seen
+    # at the clamped temperature 0.001 with every valid score negative).
+    mass = jnp.sum(jnp.exp(jnp.where(mask, logits - top, -jnp.inf)), axis=1, keepdims=True)
     return jnp.log(jnp.where(has, mass, 1.0)) + top
 
 

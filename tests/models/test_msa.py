@@ -16,8 +16,8 @@ from flax import nnx
 from aiinfra_jax.models import ModelConfig, Transformer, get_mixer
 from aiinfra_jax.models.attention.msa import MSAConfig, MSAttention, pack_row
 from aiinfra_jax.models.attention.msa_routing import (
-    ANSWER_BIT, document_layout, document_ranks, document_scores, infonce, pool_chunks,
-    query_roles, select_documents)
+    ANSWER_BIT, batch_document_scores, document_layout, document_ranks, document_scores, infonce,
+    pool_chunks, query_roles, recall_at, select_documents, top_k_recall)
 
 # Chunks of 4 tokens, 2 documents selected, up to 8 documents per row; layer 1 routes.
 MSA = MSAConfig(chunk=4, top_k=2, max_documents=8, routing_layers=(1,), implementation="xla",
@@ -131,8 +131,10 @@ def test_pooling_with_partial_chunks_matches_numpy():
     assert np.asarray(layout["positive"]).tolist()[1][:3] == [False, False, True]
 
 
-def _scores_np(q, kc, seg_row, cfg):
-    """Float64 reference of document scores for one row (q [T,H,Dh], kc [C,K,Dh] pooled)."""
+def _scores_np(q, kc, seg_row, cfg, doc_row=None):
+    """Float64 reference of document scores for one row (q [T,H,Dh], kc [C,K,Dh] pooled): the
+    query of seg_row against the documents of doc_row (default: the same row)."""
+    doc_row = seg_row if doc_row is None else doc_row
     q = q / np.linalg.norm(q, axis=-1, keepdims=True)
     kc = kc / np.linalg.norm(kc, axis=-1, keepdims=True)
     g = q.shape[1] // kc.shape[1]
@@ -140,13 +142,13 @@ def _scores_np(q, kc, seg_row, cfg):
     answer = -1 - int(seg_row[q_idx[0]])
     reads = q_idx[:len(q_idx) - answer]
     head = np.mean if cfg.head_reduce == "mean" else np.max
-    chunks = _chunks_np(seg_row, cfg.chunk)
+    chunks = _chunks_np(doc_row, cfg.chunk)
     per_chunk = []
     for c, _ in enumerate(chunks):
         s = [head([q[t, h] @ kc[c, h // g] for h in range(q.shape[1])]) for t in reads]
         per_chunk.append({"max": max(s), "mean": np.mean(s), "last": s[-1]}[cfg.query_reduce])
     docs = []
-    for d in range(len(_docs_np(seg_row))):
+    for d in range(len(_docs_np(doc_row))):
         s = [v for (dd, _), v in zip(chunks, per_chunk) if dd == d]
         docs.append(max(s) if cfg.chunk_reduce == "max" else np.mean(s))
     return np.asarray(docs)
@@ -157,16 +159,21 @@ def _topk_np(scores, k):
     return set(order[:min(k, len(scores))])
 
 
+def _random_routing(head, query, chunk, seed):
+    """(cfg, routing queries [2,T,4,8], _route's outputs) for random routing projections."""
+    cfg = MSAConfig(chunk=4, top_k=2, max_documents=8, head_reduce=head, query_reduce=query,
+                    chunk_reduce=chunk)
+    kq, kk = jax.random.split(jax.random.key(seed))
+    q = jax.random.normal(kq, (2, T, 4, 8))
+    k = jax.random.normal(kk, (2, T, 2, 8))
+    return cfg, q, _route(q, k, SEG, cfg)
+
+
 # Every option of each reduction at least once.
 @pytest.mark.parametrize("head,query,chunk", [("mean", "max", "max"), ("max", "mean", "mean"),
                                               ("mean", "last", "mean"), ("max", "last", "max")])
 def test_routing_scores_and_topk_match_float64_reference(head, query, chunk):
-    cfg = MSAConfig(chunk=4, top_k=2, max_documents=8, head_reduce=head, query_reduce=query,
-                    chunk_reduce=chunk)
-    kq, kk = jax.random.split(jax.random.key(2))
-    q = jax.random.normal(kq, (2, T, 4, 8))
-    k = jax.random.normal(kk, (2, T, 2, 8))
-    _, kc, scores, selected = _route(q, k, SEG, cfg)
+    cfg, q, (_, kc, scores, selected) = _random_routing(head, query, chunk, seed=2)
     scores = np.asarray(scores)
     for b in range(2):
         seg_row = np.asarray(SEG[b])
@@ -177,6 +184,80 @@ def test_routing_scores_and_topk_match_float64_reference(head, query, chunk):
         np.testing.assert_allclose(scores[b, :n], ref, rtol=1e-5, atol=1e-6)
         assert np.isneginf(scores[b, n:]).all()
         assert set(np.flatnonzero(np.asarray(selected[b]))) == _topk_np(ref, cfg.top_k)
+
+
+@pytest.mark.parametrize("head,query,chunk", [("mean", "max", "max"), ("max", "last", "mean")])
+def test_batch_scores_match_float64_reference(head, query, chunk):
+    """In-batch negatives: row i's query against row j's documents, exact where the row's
+    router-read tokens fit batch_query_tokens (row 0 reads 4 tokens, row 1 reads 5)."""
+    cfg, q, (layout, kc, scores, _) = _random_routing(head, query, chunk, seed=3)
+    reads = query_roles(SEG)[2]
+    cross, fits = jax.jit(batch_document_scores, static_argnums=(4, 5))(q, kc, reads, layout,
+                                                                       cfg, 5)
+    cross = np.asarray(cross)
+    assert np.asarray(fits).tolist() == [True, True]
+    for i in range(2):
+        np.testing.assert_allclose(cross[i, i], np.asarray(scores[i]), rtol=1e-6, atol=1e-6)
+        for j in range(2):
+            doc_row = np.asarray(SEG[j])
+            n_chunks = len(_chunks_np(doc_row, cfg.chunk))
+            ref = _scores_np(np.asarray(q[i], np.float64), np.asarray(kc[j, :n_chunks],
+                             np.float64), np.asarray(SEG[i]), cfg, doc_row=doc_row)
+            np.testing.assert_allclose(cross[i, j, :len(ref)], ref, rtol=1e-5, atol=1e-6)
+            assert np.isneginf(cross[i, j, len(ref):]).all()
+    _, fits = batch_document_scores(q, kc, reads, layout, cfg, 4)
+    assert np.asarray(fits).tolist() == [True, False]
+
+
+def test_batch_negatives_loss_recall_and_gradients():
+    """routing_negatives="batch": the joint InfoNCE over the batch's documents equals a float64
+    reference built from the layer's own scores, recall is reported among them, and the routing
+    loss trains the router keys of the other row's documents too."""
+    cfg = dataclasses.replace(CFG, msa=dataclasses.replace(MSA, routing_negatives="batch"))
+    layer = MSAttention(cfg, rngs=nnx.Rngs(0), layer_index=1)
+    x = _x(8)
+    loss, grads = nnx.jit(nnx.value_and_grad(_routing_loss))(layer, x)
+    p = _project(layer, x, POS)
+    layout, kc, scores, _ = _route(p["q_route"], p["k_route"], SEG, MSA)
+    cross, _ = batch_document_scores(p["q_route"], kc, query_roles(SEG)[2], layout, MSA, 64)
+    tau = float(layer.temperature[...])
+    refs = []
+    for i in range(2):
+        own = np.asarray(scores[i], np.float64)
+        logits = [own[np.isfinite(own)]]
+        logits += [np.asarray(cross[i, j], np.float64) for j in range(2) if j != i]
+        logits = np.concatenate(logits)
+        logits = logits[np.isfinite(logits)] / tau
+        pos = np.asarray(layout["positive"][i])[:np.isfinite(own).sum()]
+        lse = np.log(np.exp(logits).sum())
+        refs.append(lse - np.log(np.exp(logits[:len(pos)][pos]).sum()))
+    np.testing.assert_allclose(float(loss), np.mean(refs), rtol=1e-5)
+    row_layer = _layer()
+    row_loss = float(nnx.jit(_routing_loss)(row_layer, x))
+    assert float(loss) > row_loss  # more negatives, larger joint loss
+    assert 0.0 <= float(getattr(layer, "batch_recall@1")[...]) <= 1.0
+    assert float(getattr(layer, "batch_unfit")[...]) == 0.0
+    short = dataclasses.replace(cfg, msa=dataclasses.replace(cfg.msa, batch_query_tokens=4))
+    short_layer = MSAttention(short, rngs=nnx.Rngs(0), layer_index=1)
+    nnx.jit(_routing_loss)(short_layer, x)  # row 1 reads 5 tokens: its negatives stay in-row
+    assert float(getattr(short_layer, "batch_unfit")[...]) == 0.5
+    # Row 0's query scores row 1's documents, so row 1's document tokens get router_k gradient
+    # from the loss even where row 1's own routing would not reach them.
+    g = np.asarray(grads.router_k[...])
+    assert np.isfinite(g).all() and np.abs(g).max() > 0
+
+
+def test_top_k_recall_agrees_with_ranked_recall():
+    rng = np.random.default_rng(0)
+    s = rng.integers(0, 4, (6, 12)).astype(np.float32)  # many ties
+    s[:, 10:] = -np.inf
+    pos = rng.random((6, 12)) < 0.3
+    pos[:, 10:] = False
+    n_docs = jnp.full((6,), 10)
+    ranks = document_ranks(jnp.asarray(s))
+    for k, got in zip((1, 3, 5), top_k_recall(jnp.asarray(s), jnp.asarray(pos), (1, 3, 5))):
+        np.testing.assert_allclose(float(got), float(recall_at(ranks, jnp.asarray(pos), n_docs,
+                                                                 k)), rtol=1e-6)
 
 
 def test_topk_ties_lower_index_wins_and_k_is_capped():
@@ -211,6 +292,12 @@ def test_infonce_is_exact_at_small_temperature():
         np.testing.assert_allclose(got, ref, rtol=1e-5)
         g = jax.jit(jax.grad(lambda x: infonce(x, pos, valid, jnp.float32(0.1), form)))(s)
         assert np.isfinite(np.asarray(g)).all() and float(jnp.abs(g[0, 4])) == 0.0
+    # At the clamped temperature with every valid score negative, the masked slots (logit 0 far
+    # above the max) must not overflow into a NaN gradient.
+    low = jnp.asarray([[-0.5, -0.3, -0.2, -0.9, 0.0]])
+    for form in ("joint", "decoupled"):
+        g = jax.grad(lambda x: infonce(x, pos[:1], valid[:1], jnp.float32(0.001), form))(low)
+        assert np.isfinite(np.asarray(g)).all(), form
     one = pos.at[0, 3].set(False)  # one positive: the two forms agree
     np.testing.assert_allclose(float(infonce(s, one, valid, jnp.float32(0.1), "joint")),
                                float(infonce(s, one, valid, jnp.float32(0.1), "decoupled")),
