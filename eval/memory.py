@@ -20,7 +20,8 @@ when the greedy answer up to EOS is the value. Per size: exact match, the answer
 greedy accuracy given the true prefix (teacher forced), the share of queries whose needle
 document is each routing layer's first choice (recall@1) and among its top-k, the share that some
 routing layer brought into memory and exact match / token accuracy over those alone (the reading,
-apart from the routing), encoding
+apart from the routing), how often a wrong first choice holds a key that shares a word with the
+needle's (near_misses: the routing confusing "bold-river" with "bold-stone"), encoding
 throughput (tokens/s of that append), prefill time of one query (routing over the whole bank) and
 decode time per token (which the bank does not touch), bank bytes per memory token, and device
 bytes of the bank. Results go to DIR/memory_niah.json and a markdown table on stdout.
@@ -104,9 +105,10 @@ def niah_collection(loaded, sizes: list[int], queries: int, seed: int = EVAL_SEE
     needle_docs = rng.choice(prefix[0], size=queries, replace=False)
     key_of = {int(d): q for q, d in enumerate(needle_docs)}
     others = iter(range(queries, n_keys))
-    docs, needles = [], []
+    docs, needles, doc_keys = [], [], []
     for j, n in enumerate(lengths):
         k = key_of[j] if j in key_of else next(others, None)
+        doc_keys.append(None if k is None else keys[k])
         fact = (hs.encode(tok, fact_text(keys[k], values[k]) + " ") if k is not None
                 else np.zeros(0, np.int32))
         if fact.size + 1 > n:
@@ -116,7 +118,34 @@ def niah_collection(loaded, sizes: list[int], queries: int, seed: int = EVAL_SEE
                     .astype(np.int32))
     for q, d in enumerate(needle_docs):
         needles.append((int(d), keys[q], values[q]))
-    return {"docs": docs, "prefix": prefix, "needles": needles}
+    return {"docs": docs, "prefix": prefix, "needles": needles, "doc_keys": doc_keys}
+
+
+def _shares_word(a: str | None, b: str) -> bool:
+    """Whether key a ("adjective-noun", None for plain haystack) shares a word with key b."""
+    return a is not None and a != b and bool(set(a.split("-")) & set(b.split("-")))
+
+
+def near_misses(choices: dict[Any, list[list[int]]], needles, doc_keys: list, n_docs: int
+                ) -> dict[str, Any]:
+    """Which wrong documents the routing prefers: per routing layer, the share of queries whose
+    first choice is a wrong document whose key shares its adjective or its noun with the needle's
+    key ("word_miss"), next to that share among the first choices that are wrong ("of_wrong") and
+    the share of the bank's documents with such a key ("bank"; what a random wrong choice would
+    give). choices[layer][q] = that layer's chosen documents for query q, best first."""
+    near = [sum(_shares_word(doc_keys[j], key) for j in range(n_docs)) / n_docs
+            for _, key, _ in needles]
+    out = {"bank": float(np.mean(near))}
+    for layer, per_query in choices.items():
+        wrong = shared = 0
+        for (doc, key, _), chosen in zip(needles, per_query):
+            first = int(chosen[0])
+            if first >= 0 and first != doc:
+                wrong += 1
+                shared += _shares_word(doc_keys[first], key)
+        out[str(layer)] = {"word_miss": shared / len(needles),
+                           "of_wrong": shared / wrong if wrong else None}
+    return out
 
 
 def _time(fn, repeats: int = 3) -> float:
@@ -159,14 +188,17 @@ def _teacher_forced(model, tokenizer, device_bank, prompts, needles, batch, mesh
 
 
 def evaluate_size(model, tokenizer, bank: mb.MemoryBank, needles, *, batch: int,
-                  max_new_tokens: int, mesh=None) -> dict[str, Any]:
+                  max_new_tokens: int, mesh=None, doc_keys: list | None = None
+                  ) -> dict[str, Any]:
     """Exact match, routing recall and timings of the bank as it is (module docstring); mesh:
-    the model's (the bank's chunks are scored split over its devices)."""
+    the model's (the bank's chunks are scored split over its devices); doc_keys: the key of every
+    collection document (None = no fact), for near_misses."""
     device_bank = bank.to_device(mesh)
     prompts = [[tokenizer.bos_id] + hs.encode(tokenizer, query_prompt(key)).tolist()
                for _, key, _ in needles]
     right, found, first_choice = np.zeros(len(needles), bool), {}, {}
     in_memory = np.zeros(len(needles), bool)  # the needle among some routing layer's choices
+    choices: dict[Any, list] = {}
     for first in range(0, len(prompts), batch):
         part = needles[first:first + batch]
         ans = mb.generate_from_bank(model, device_bank, prompts[first:first + batch],
@@ -177,6 +209,7 @@ def evaluate_size(model, tokenizer, bank: mb.MemoryBank, needles, *, batch: int,
             right[first + b] = _answer_text(tokenizer, toks[b], lens[b]) == value
             in_memory[first + b] = any(doc in c[b] for c in ans.documents.values())
             for layer, chosen in ans.documents.items():
+                choices.setdefault(layer, []).append(list(chosen[b]))
                 found[layer] = found.get(layer, 0) + int(doc in chosen[b])
                 first_choice[layer] = first_choice.get(layer, 0) + int(doc == chosen[b][0])
     forced = _teacher_forced(model, tokenizer, device_bank, prompts, needles, batch, mesh)
@@ -208,6 +241,8 @@ def evaluate_size(model, tokenizer, bank: mb.MemoryBank, needles, *, batch: int,
             "answer_token_acc_in_memory": (mem_hits / mem_count if mem_count else None),
             "recall_topk": {str(k): v / len(needles) for k, v in sorted(found.items())},
             "recall_1": {str(k): v / len(needles) for k, v in sorted(first_choice.items())},
+            "near_misses": (near_misses(choices, needles, doc_keys, bank.n_docs)
+                            if doc_keys is not None else None),
             "prefill_s": prefill_s, "decode_s_per_token": decode_s,
             "bank_bytes_per_token": files / bank.n_tokens, "device_bank_bytes": device}
 
@@ -231,7 +266,8 @@ def run_niah(checkpoint: str, sizes: list[int], out_dir: Path, *, queries: int, 
                              max_doc_length=limit, row_len=max(256, limit), progress=True)
         enc_s = time.perf_counter() - t0
         row = evaluate_size(model, tok, bank, col["needles"], batch=batch,
-                            max_new_tokens=max_new_tokens, mesh=loaded.mesh)
+                            max_new_tokens=max_new_tokens, mesh=loaded.mesh,
+                            doc_keys=col["doc_keys"])
         row.update(size=format_length(size),
                    encode_tokens_per_s=sum(d.size for d in part) / enc_s)
         rows.append(row)

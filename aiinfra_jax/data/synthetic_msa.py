@@ -43,6 +43,9 @@ Options (comma-separated key=value after ``synthetic:msa_niah:``):
   positives       documents holding the needle (default 1, at most docs)
   distractors     documents (among the others) holding a fact of another key; -1 = all of them
                   (default -1: the router must match the key, not spot any fact)
+  near_keys       how many of the distractors' keys share a word with the needle's key (its
+                  adjective or its noun; default 0 = keys drawn at random): the near misses a
+                  large memory bank is full of ("bold-river" among "bold-stone", "calm-river")
   min_doc_length  shortest document, tokens (default 0 = max(half of max_doc_length, the longest
                   fact + 1))
   max_doc_length  longest document, tokens (default 0 = the most that always fits:
@@ -74,8 +77,8 @@ from aiinfra_jax.tasks.common import ADJECTIVES, NOUNS, distinct, example_rng, n
 ANSWER_BIT = 1 << 30
 TRAIN_SEED_BASE = 2**40  # as aiinfra_jax.data.synthetic: never an evaluation seed
 MSA_TASKS = ("msa_niah",)
-_INT = ("n", "seed", "docs", "positives", "distractors", "min_doc_length", "max_doc_length",
-        "query_offset")
+_INT = ("n", "seed", "docs", "positives", "distractors", "near_keys", "min_doc_length",
+        "max_doc_length", "query_offset")
 _FLOAT = ("answer_weight", "doc_weight", "query_weight")
 _STR = ("haystack",)
 
@@ -89,6 +92,7 @@ class MSAOptions:
     docs: int = 8
     positives: int = 1
     distractors: int = -1
+    near_keys: int = 0
     min_doc_length: int = 0
     max_doc_length: int = 0
     query_offset: int = 16
@@ -110,6 +114,9 @@ class MSAOptions:
             raise ValueError(f"synthetic:msa option distractors={self.distractors} exceeds the "
                              f"{self.docs - self.positives} documents that are not positives; "
                              "lower it (-1 = all of them)")
+        if self.near_keys > self.n_distractors:
+            raise ValueError(f"synthetic:msa option near_keys={self.near_keys} exceeds the "
+                             f"{self.n_distractors} distractors; lower it or raise distractors")
         if self.max_doc_length and self.min_doc_length > self.max_doc_length:
             raise ValueError(f"synthetic:msa options min_doc_length={self.min_doc_length} > "
                              f"max_doc_length={self.max_doc_length}")
@@ -146,6 +153,21 @@ def parse_msa_spec(spec: str) -> tuple[str, MSAOptions]:
         except ValueError as e:
             raise ValueError(f"data source {spec!r}: option {key}={value!r} is not a number") from e
     return task, MSAOptions(**kwargs)
+
+
+def near_keys(rng: np.random.Generator, key: str, n: int, taken: set[str]) -> list[str]:
+    """n distinct keys that share one word with ``key`` ("adjective-noun": the same adjective and
+    another noun, or the other way round, by a coin each), none of them in ``taken``."""
+    adjective, noun = key.split("-")
+    out: list[str] = []
+    while len(out) < n:
+        if rng.random() < 0.5:
+            other = f"{adjective}-{NOUNS[int(rng.integers(len(NOUNS)))]}"
+        else:
+            other = f"{ADJECTIVES[int(rng.integers(len(ADJECTIVES)))]}-{noun}"
+        if other not in taken and other not in out:
+            out.append(other)
+    return out
 
 
 def fact_text(key: str, value: str) -> str:
@@ -242,6 +264,8 @@ class MSASource(GeneratedSource):
         rng = example_rng(self.task, TRAIN_SEED_BASE + o.seed * 2**32 + index)
         keys = word_keys(rng, 1 + o.n_distractors)
         values = distinct(rng, 1 + o.n_distractors, number7)
+        if o.near_keys:
+            keys[1:1 + o.near_keys] = near_keys(rng, keys[0], o.near_keys, set(keys))
         order = rng.permutation(o.docs)
         positives = tuple(sorted(int(j) for j in order[:o.positives]))
         distractors = tuple(sorted(int(j) for j in order[o.positives:o.positives

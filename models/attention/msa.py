@@ -53,17 +53,17 @@ scan_layers every repeat of a block shares one module structure, so the choice i
 non-parameter variable `routes` (RoutingFlag, int32 0/1; stacked [R] under scan) that masks the
 selection: `MSAttention(cfg, rngs=..., layer_index=i)` sets it; the Transformer, which constructs
 mixers without an index, calls the mixer's `after_build(model)` hook when it is built, and that sets
-every MSA layer's flag (`assign_routing_layers`). Non-routing layers: documents self-attend, the query sees only its
-own context.
+every MSA layer's flag (`assign_routing_layers`). Non-routing layers: documents self-attend, the
+query sees only its own context.
 
 Auxiliary outputs (models/auxiliary.py), per MSA layer: loss "routing" = routing_loss_weight *
 routes * InfoNCE over document scores (routing_loss_form: "joint", the positives against all the
 row's documents, or "decoupled", each positive against the negatives only; temperature a learned
 scalar clamped to [0.001, 0.5], exact log-sum-exp; mean over rows with a positive; the negatives
 are the row's other documents, or with routing_negatives="batch" every document of the batch, plus
-metrics "batch_recall@1/5/10" among them and "batch_unfit"); metrics
-"recall@1", "recall@5", "recall@10" (fraction of a row's positives among its top 1 / 5 / 10
-documents, mean over rows with a positive; reported by non-routing MSA layers too, whose router is then untrained).
+metrics "batch_recall@1/5/10" among them and "batch_unfit"); metrics "recall@1", "recall@5",
+"recall@10" (fraction of a row's positives among its top 1 / 5 / 10 documents, mean over rows with
+a positive; reported by non-routing MSA layers too, whose router is then untrained).
 
 Encoding (a memory bank, aiinfra_jax/memory_bank.py): every MSA layer also records its pooled
 chunks ("pooled_k", "pooled_v", "pooled_route_k" [B,C,K,Dh], models/auxiliary.py `record`), which

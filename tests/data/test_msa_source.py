@@ -3,6 +3,7 @@ multi-document rows in the MSA mixer's convention, carried through the pipeline 
 with the corpus, and trained on by a dense + msa model."""
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -98,6 +99,19 @@ def test_rows_decode_to_what_they_claim():
     assert other.row(5).value != src.row(5).value
 
 
+def test_near_keys_share_one_word_with_the_needle_key():
+    src = open_source(SPEC + ",near_keys=2", DataConfig(seq_len=T))
+    for i in range(8):
+        r = src.row(i)
+        docs, _ = _check_msa_row(src[i], r.value, r.positives, answer_weight=2.0)
+        words = set(r.key.split("-"))
+        for j in r.distractors:
+            s, e, _ = docs[j]
+            text = TOK.decode(src[i]["inputs"][s:e])
+            key = re.search(r"([a-z]+-[a-z]+) is \d{7}\.", text).group(1)
+            assert key != r.key and len(words & set(key.split("-"))) == 1, (text, r.key)
+
+
 def test_mixed_with_the_corpus_and_deterministic(monkeypatch):
     monkeypatch.setattr(pipeline, "SHUFFLE_WINDOW", 64)
     spec = "synthetic:msa_niah:docs=3,min_doc_length=9,distractors=0,haystack=noise"
@@ -153,6 +167,7 @@ def test_whole_rows_pass_through_the_pipeline_unchanged():
     ("synthetic:msa_niah:min_doc_length=90,max_doc_length=80", 4096, r"min_doc_length=90"),
     ("synthetic:msa_niah:positives=9", 4096, r"positives=9 exceeds docs=8"),
     ("synthetic:msa_niah:docs=4,distractors=4", 4096, r"distractors=4"),
+    ("synthetic:msa_niah:docs=4,distractors=2,near_keys=3", 4096, r"near_keys=3 exceeds"),
     ("synthetic:msa_niah:haystack=poems", 4096, r"haystack"),
     ("synthetic:msa_niah:dcos=4", 4096, r"bad option"),
     ("synthetic:msa_niah:docs=four", 4096, r"not a number"),

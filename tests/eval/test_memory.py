@@ -49,3 +49,18 @@ def test_memory_cli_build_query_niah(tmp_path, capsys):
         # One routing layer: "in memory" is its top-k; the in-memory scores cover those queries.
         assert row["needle_in_memory"] == row["recall_topk"]["1"]
         assert (row["exact_match_in_memory"] is None) == (row["needle_in_memory"] == 0)
+        assert set(row["near_misses"]) == {"bank", "1"}
+
+
+def test_near_misses_count_wrong_choices_that_share_a_key_word():
+    doc_keys = ["bold-river", "bold-stone", None, "calm-river", "dark-sky"]
+    needles = [(0, "bold-river", "1"), (4, "dark-sky", "2"), (3, "calm-river", "3")]
+    # query 0: first choice 1 shares "bold"; query 1: right; query 2: 4 shares nothing
+    choices = {2: [[1, 0], [4, -1], [4, 3]], 3: [[-1, -1], [3, 0], [0, 1]]}
+    out = memory.near_misses(choices, needles, doc_keys, len(doc_keys))
+    assert out["2"] == {"word_miss": 1 / 3, "of_wrong": 1 / 2}
+    # layer 3: query 0 chose nothing; query 1's 3 ("calm-river") shares nothing with "dark-sky";
+    # query 2's 0 ("bold-river") shares "river"
+    assert out["3"] == {"word_miss": 1 / 3, "of_wrong": 1 / 2}
+    # bank share: "bold-river" has 2 such documents of 5, "dark-sky" 0, "calm-river" 1
+    assert abs(out["bank"] - (2 / 5 + 0 + 1 / 5) / 3) < 1e-12
