@@ -106,7 +106,7 @@ from ..registry import register_config, register_mixer
 from .dense import cache_mask, cache_room, refuse_rows, write_cache
 from .msa_routing import (
     ANSWER_BIT, INFONCE_FORMS, bank_document_scores, batch_document_scores, document_layout,
-    document_scores, gather_memory, infonce, pool_chunks, query_roles, recall_at,
+    document_scores, gather_memory, infonce, pool_chunks, query_roles,
     select_bank_documents, select_documents, top_k_recall)
 
 
@@ -336,7 +336,7 @@ class MSAttention(nnx.Module):
                             ("pooled_route_k", kr_chunks)):
             record(self, name, value)  # a memory bank's encoding; dropped unless captured
         scores = document_scores(p["q_route"], kr_chunks, reads, layout, c)
-        ranks, selected = select_documents(scores, layout["n_docs"], c.top_k)
+        _, selected = select_documents(scores, layout["n_docs"], c.top_k)
         selected = selected & (self.routes[...] > 0)
         n = c.max_documents
         chunk_sel = jnp.take_along_axis(jnp.pad(selected, ((0, 0), (0, 1))),
@@ -351,8 +351,8 @@ class MSAttention(nnx.Module):
 
         valid = jnp.arange(n)[None, :] < layout["n_docs"][:, None]
         positive = layout["positive"] & valid & jnp.isfinite(scores)
-        for k in (1, 5, 10):
-            report_metric(self, f"recall@{k}", recall_at(ranks, positive, layout["n_docs"], k))
+        for k, r in zip((1, 5, 10), top_k_recall(scores, positive, (1, 5, 10))):
+            report_metric(self, f"recall@{k}", r)
         loss_scores, loss_positive = scores, positive
         if c.routing_negatives == "batch":
             loss_scores, loss_positive = self._batch_scores(p, reads, kr_chunks, layout, scores,

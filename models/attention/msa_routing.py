@@ -200,8 +200,8 @@ def batch_document_scores(q_route: jax.Array, k_route_chunks: jax.Array, reads: 
 def top_k_recall(scores: jax.Array, positive: jax.Array, ks: Sequence[int]) -> list[jax.Array]:
     """recall@k for each k of ks from scores [B,M] (-inf = no document) and positives [B,M]: the
     mean over rows with a positive of the fraction of its positives among its top k (ties: lower
-    index first, jax.lax.top_k's rule). Unlike recall_at it needs no [B,M,M] ranks, for the M =
-    B*N documents of in-batch scoring."""
+    index first, jax.lax.top_k's rule; a row with fewer than k documents counts all of them). It
+    needs no [B,M,M] ranks, so it serves the M = B*N documents of in-batch scoring too."""
     _, top = jax.lax.top_k(scores, min(max(ks), scores.shape[1]))
     hit = jnp.take_along_axis(positive & jnp.isfinite(scores), top, axis=1)
     n_pos = jnp.sum(positive & jnp.isfinite(scores), axis=1)
@@ -271,16 +271,6 @@ def infonce(scores_bn: jax.Array, positive_bn: jax.Array, valid_bn: jax.Array,
         per_row = jnp.sum(jnp.where(pos, per_pos, 0.0), axis=1) / jnp.maximum(n_pos, 1)
     rows = (n_pos > 0) & has_neg
     return jnp.sum(jnp.where(rows, per_row, 0.0)) / jnp.maximum(jnp.sum(n_pos > 0), 1)
-
-
-def recall_at(ranks_bn: jax.Array, positive_bn: jax.Array, n_docs_b: jax.Array, k: int
-              ) -> jax.Array:
-    """Mean over rows with a positive of the fraction of its positives ranked < min(k, n_docs)."""
-    hit = positive_bn & (ranks_bn < jnp.minimum(k, n_docs_b)[:, None])
-    n_pos = jnp.sum(positive_bn, axis=1)
-    frac = jnp.sum(hit, axis=1) / jnp.maximum(n_pos, 1)
-    rows = n_pos > 0
-    return jnp.sum(jnp.where(rows, frac, 0.0)) / jnp.maximum(jnp.sum(rows), 1)
 
 
 # The memory bank's forms ------------------------------------------------------------------------
