@@ -243,14 +243,14 @@ def validation_rows(cfg, tokenizer, docs: int, length: int) -> dict:
 
 @jax.jit
 def _score(logits, targets, ref):
-    """Per row: the target's negative log-likelihood, max |logits - ref|, and whether any logit
-    is not finite (a refused row gives NaN logits)."""
+    """Per row: the target's negative log-likelihood, max |logits - ref|, whether any logit is
+    not finite (a refused row gives NaN logits), and whether the argmax is the target."""
     logits = logits.astype(jnp.float32)
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0]
     diff = jnp.max(jnp.abs(logits - ref.astype(jnp.float32)), axis=-1)
     bad = ~jnp.all(jnp.isfinite(logits), axis=-1)
-    return nll, diff, bad
+    return nll, diff, bad, jnp.argmax(logits, axis=-1) == targets
 
 
 def _cache_layers(cache) -> list:
@@ -272,8 +272,9 @@ def decode_scores(model, inputs: np.ndarray, targets: np.ndarray, prefill_len: i
     """Feeds inputs [B,L] through the cache (prefill_len tokens by prefill, the rest one at a time
     by decode_step) and scores every decode step's logits against targets [B,L]. ref: the fp32
     run's per-step logits (None: this is the fp32 run; its logits are returned as "logits").
-    Returns {"nll" [B,S], "diff" [B,S] (0 without ref), "ms" per step, "state_bytes" and
-    "cache_bytes" per layer, "logits" (ref run only)}; raises on a non-finite logit."""
+    Returns {"nll" [B,S], "diff" [B,S] (0 without ref), "hit" [B,S] (argmax == target), "ms"
+    per step, "state_bytes" and "cache_bytes" per layer, "logits" (ref run only)}; raises on a
+    non-finite logit."""
     B, L = inputs.shape
     if prefill_len:
         _, cache = prefill(model, jnp.asarray(inputs[:, :prefill_len]),
@@ -290,16 +291,17 @@ def decode_scores(model, inputs: np.ndarray, targets: np.ndarray, prefill_len: i
     feed = [(jnp.asarray(inputs[:, t]), jnp.full((B,), t, jnp.int32),
              jnp.asarray(targets[:, t])) for t in steps]
     jax.block_until_ready(feed)
-    nll, diff, bad, kept, ms = [], [], [], [], []
+    nll, diff, bad, hit, kept, ms = [], [], [], [], [], []
     for i, (tok, pos, tgt) in enumerate(feed):
         start = time.perf_counter()
         logits, cache = decode_step(model, cache, tok, pos)
         logits.block_until_ready()
         ms.append((time.perf_counter() - start) * 1e3)
-        n, d, b = _score(logits, tgt, logits if ref is None else ref[i])
+        n, d, b, h = _score(logits, tgt, logits if ref is None else ref[i])
         nll.append(n)
         diff.append(d)
         bad.append(b)
+        hit.append(h)
         if ref is None:
             kept.append(logits)
     bad = np.asarray(jnp.stack(bad, axis=1))
@@ -310,7 +312,8 @@ def decode_scores(model, inputs: np.ndarray, targets: np.ndarray, prefill_len: i
             f"(row, step)s, first row {b} at position {prefill_len + s} (a NaN row is refused: "
             "its cache is full, or the model diverged); not averaging it")
     out = {"nll": np.asarray(jnp.stack(nll, axis=1), np.float64),
-           "diff": np.asarray(jnp.stack(diff, axis=1), np.float64), "ms": ms,
+           "diff": np.asarray(jnp.stack(diff, axis=1), np.float64),
+           "hit": np.asarray(jnp.stack(hit, axis=1)), "ms": ms,
            "state_bytes": state_bytes, "cache_bytes": cache_bytes}
     if ref is None:
         out["logits"] = kept
@@ -319,8 +322,8 @@ def decode_scores(model, inputs: np.ndarray, targets: np.ndarray, prefill_len: i
 
 def forward_scores(model, inputs: np.ndarray, targets: np.ndarray, prefill_len: int,
                    ref: list) -> dict:
-    """The training forward (no cache) on the same inputs: nll and max |logit - ref| of the
-    positions the decode scored."""
+    """The training forward (no cache) on the same inputs: nll, max |logit - ref| and argmax ==
+    target of the positions the decode scored."""
     graphdef, state = nnx.split(model)
     B, L = inputs.shape
 
@@ -331,12 +334,13 @@ def forward_scores(model, inputs: np.ndarray, targets: np.ndarray, prefill_len: 
         return m(tokens, positions=pos, segment_ids=jnp.ones((B, L), jnp.int32))[0]
 
     logits = fwd(state, jnp.asarray(inputs))[:, prefill_len:]
-    n, d, _ = jax.vmap(_score, in_axes=(1, 1, 0), out_axes=1)(
+    n, d, _, h = jax.vmap(_score, in_axes=(1, 1, 0), out_axes=1)(
         logits, jnp.asarray(targets[:, prefill_len:]), jnp.stack(ref))
     if not np.all(np.isfinite(np.asarray(n))):
         raise FloatingPointError("bench_leapquant --quality: the training forward gave "
                                  "non-finite losses")
-    return {"nll": np.asarray(n, np.float64), "diff": np.asarray(d, np.float64)}
+    return {"nll": np.asarray(n, np.float64), "diff": np.asarray(d, np.float64),
+            "hit": np.asarray(h)}
 
 
 def _loss_stats(nll: np.ndarray, w: np.ndarray, ref_doc: np.ndarray | None) -> dict:

@@ -210,13 +210,40 @@ def test_bench_recall_task_and_cli(tmp_path):
         assert len(context) == pairs and all(1 <= k < 64 <= context[k] < 128 for k in context)
         for t in np.flatnonzero(w[b]):
             assert t >= 2 * pairs and y[b, t] == context[x[b, t]]
+    # several query passes: every pass asks every key once, each followed by its context value
+    x, y, w = (np.asarray(a) for a in bench_recall.recall_batch(np.random.default_rng(), 3, pairs,
+                                                                 rounds=3))
+    assert x.shape == (3, 8 * pairs - 1) and w.sum() == 3 * 3 * pairs
+    for b in range(3):
+        context = dict(zip(x[b, 0:2 * pairs:2], x[b, 1:2 * pairs:2]))
+        for r in range(3):
+            asked = x[b, 2 * pairs * (r + 1):2 * pairs * (r + 2):2]
+            assert sorted(asked) == sorted(context)
+        assert all(y[b, t] == context[x[b, t]] for t in np.flatnonzero(w[b]))
     assert bench_recall.main(["--mixers", "dense,gdn", "--lrs", "1e-3", "--heads", "1,2",
                               "--steps", "3", "--pairs", "2", "--d-model", "16",
-                              "--out-dir", str(tmp_path)]) == 0
+                              "--quant-rounds", "3", "--quant-settings", "int8_per_step,int8",
+                              "--quant-batch", "4", "--out-dir", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert [(r["mixer"], r["heads"]) for r in rows] == [("dense", 1), ("dense", 2), ("gdn", 1),
                                                         ("gdn", 2)]
     assert all(0.0 <= r["final_accuracy"] <= 1.0 and len(r["curve"]) == 3 for r in rows)
-    assert "| gdn | 0.001 | 2 x 8 |" in (tmp_path / "results.md").read_text()
+    table = (tmp_path / "results.md").read_text()
+    assert "| gdn | 0.001 | 2 x 8 |" in table and "| gdn | 0.001 | 2 x 8 | int8 |" in table
+    # the recurrent cells decode through every state format, float32 first (the reference, which
+    # the training forward matches); the dense cells have no recurrent state
+    assert all("quantized" not in r for r in rows[:2])
+    for r in rows[2:]:
+        q = r["quantized"]
+        assert q["tokens"] == 2 * 2 * 4 and q["sequences"] == 4
+        assert [s["setting"] for s in q["rows"]] == ["none", "int8_per_step", "int8",
+                                                     "training forward"]
+        assert q["rows"][0]["max_abs_logit_diff"] == 0.0
+        assert q["rows"][-1]["max_abs_logit_diff"] < 1e-4
+        assert q["rows"][-1]["accuracy"] == q["rows"][0]["accuracy"]
+        assert q["rows"][1]["state_bytes_per_row_per_layer"] < q["rows"][0][
+            "state_bytes_per_row_per_layer"]
     with pytest.raises(SystemExit):
         bench_recall.main(["--heads", "3", "--d-model", "16"])
+    with pytest.raises(SystemExit, match="2"):  # argparse's exit code for a refused flag
+        bench_recall.main(["--quant-rounds", "2", "--quant-settings", "int5"])
