@@ -24,7 +24,10 @@ apart from the routing), how often a wrong first choice holds a key that shares 
 needle's (near_misses: the routing confusing "bold-river" with "bold-stone"), encoding
 throughput (tokens/s of that append), prefill time of one query (routing over the whole bank) and
 decode time per token (which the bank does not touch), bank bytes per memory token, and device
-bytes of the bank. Results go to DIR/memory_niah.json and a markdown table on stdout.
+bytes of the bank. The JSON also holds each answer position's token accuracy (first digit ...
+EOS; is it finding the value or copying it that fails?) and, per query, the needle's document, the
+generated answer, each routing layer's choices and the teacher-forced hit of every answer token.
+Results go to DIR/memory_niah.json and a markdown table on stdout.
 """
 
 from __future__ import annotations
@@ -158,12 +161,12 @@ def _time(fn, repeats: int = 3) -> float:
 
 
 def _teacher_forced(model, tokenizer, device_bank, prompts, needles, batch, mesh
-                    ) -> np.ndarray:
-    """[queries, 3]: (summed NLL, greedy hits, count) of each query's answer tokens and EOS, each
-    given the true prefix, with the answer unread by the router (routing on the prompt alone, as
-    in training). They move as soon as the model starts to copy; exact match waits for whole
-    answers."""
-    out = []
+                    ) -> tuple[np.ndarray, list[np.ndarray]]:
+    """([queries, 3]: (summed NLL, greedy hits, count) of each query's answer tokens and EOS,
+    each given the true prefix, with the answer unread by the router (routing on the prompt
+    alone, as in training); per query, the greedy hit [count] bool of each of those tokens).
+    They move as soon as the model starts to copy; exact match waits for whole answers."""
+    out, by_token = [], []
     for first in range(0, len(prompts), batch):
         rows = []
         for prompt, (_, _, value) in zip(prompts[first:first + batch],
@@ -182,9 +185,16 @@ def _teacher_forced(model, tokenizer, device_bank, prompts, needles, batch, mesh
         logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
         for b, (p, a) in enumerate(rows):
             at = np.arange(len(p) - 1, len(p) - 1 + len(a))
-            out.append((-float(logp[b, at, a].sum()),
-                        int((logp[b, at].argmax(-1) == np.asarray(a)).sum()), len(a)))
-    return np.asarray(out, np.float64)
+            hit = logp[b, at].argmax(-1) == np.asarray(a)
+            out.append((-float(logp[b, at, a].sum()), int(hit.sum()), len(a)))
+            by_token.append(hit)
+    return np.asarray(out, np.float64), by_token
+
+
+def _accuracy_by_position(hits: list[np.ndarray]) -> list[float]:
+    """Mean greedy hit at each answer position (the EOS last) over the queries long enough."""
+    width = max((h.size for h in hits), default=0)
+    return [float(np.mean([h[i] for h in hits if h.size > i])) for i in range(width)]
 
 
 def evaluate_size(model, tokenizer, bank: mb.MemoryBank, needles, *, batch: int,
@@ -199,6 +209,7 @@ def evaluate_size(model, tokenizer, bank: mb.MemoryBank, needles, *, batch: int,
     right, found, first_choice = np.zeros(len(needles), bool), {}, {}
     in_memory = np.zeros(len(needles), bool)  # the needle among some routing layer's choices
     choices: dict[Any, list] = {}
+    answers: list[str] = []
     for first in range(0, len(prompts), batch):
         part = needles[first:first + batch]
         ans = mb.generate_from_bank(model, device_bank, prompts[first:first + batch],
@@ -206,14 +217,21 @@ def evaluate_size(model, tokenizer, bank: mb.MemoryBank, needles, *, batch: int,
                                     mesh=mesh)
         toks, lens = np.asarray(ans.result.tokens), np.asarray(ans.result.lengths)
         for b, (doc, _, value) in enumerate(part):
-            right[first + b] = _answer_text(tokenizer, toks[b], lens[b]) == value
+            answers.append(_answer_text(tokenizer, toks[b], lens[b]))
+            right[first + b] = answers[-1] == value
             in_memory[first + b] = any(doc in c[b] for c in ans.documents.values())
             for layer, chosen in ans.documents.items():
                 choices.setdefault(layer, []).append(list(chosen[b]))
                 found[layer] = found.get(layer, 0) + int(doc in chosen[b])
                 first_choice[layer] = first_choice.get(layer, 0) + int(doc == chosen[b][0])
-    forced = _teacher_forced(model, tokenizer, device_bank, prompts, needles, batch, mesh)
+    forced, forced_hits = _teacher_forced(model, tokenizer, device_bank, prompts, needles, batch,
+                                          mesh)
     nll, hits, count = forced.sum(0)
+    per_query = [{"doc": int(doc), "key": key, "value": value, "answer": answers[i],
+                  "exact": bool(right[i]), "in_memory": bool(in_memory[i]),
+                  "choices": {str(layer): [int(d) for d in c[i]] for layer, c in choices.items()},
+                  "forced_hits": forced_hits[i].astype(int).tolist()}
+                 for i, (doc, key, value) in enumerate(needles)]
     mem_hits, mem_count = forced[in_memory, 1].sum(), forced[in_memory, 2].sum()
     # One query: the prefill (routing over every chunk) and the decode steps, timed apart.
     one = np.asarray([prompts[0]], np.int32)
@@ -239,12 +257,17 @@ def evaluate_size(model, tokenizer, bank: mb.MemoryBank, needles, *, batch: int,
             "exact_match_in_memory": (float(right[in_memory].mean()) if in_memory.any()
                                       else None),
             "answer_token_acc_in_memory": (mem_hits / mem_count if mem_count else None),
+            # where the answers go wrong: each answer token's accuracy (teacher forced, EOS last)
+            "token_acc_by_position": _accuracy_by_position(forced_hits),
+            "token_acc_by_position_in_memory": _accuracy_by_position(
+                [h for h, m in zip(forced_hits, in_memory) if m]),
             "recall_topk": {str(k): v / len(needles) for k, v in sorted(found.items())},
             "recall_1": {str(k): v / len(needles) for k, v in sorted(first_choice.items())},
             "near_misses": (near_misses(choices, needles, doc_keys, bank.n_docs)
                             if doc_keys is not None else None),
             "prefill_s": prefill_s, "decode_s_per_token": decode_s,
-            "bank_bytes_per_token": files / bank.n_tokens, "device_bank_bytes": device}
+            "bank_bytes_per_token": files / bank.n_tokens, "device_bank_bytes": device,
+            "per_query": per_query}
 
 
 def run_niah(checkpoint: str, sizes: list[int], out_dir: Path, *, queries: int, batch: int,
@@ -271,7 +294,8 @@ def run_niah(checkpoint: str, sizes: list[int], out_dir: Path, *, queries: int, 
         row.update(size=format_length(size),
                    encode_tokens_per_s=sum(d.size for d in part) / enc_s)
         rows.append(row)
-        print(json.dumps(row), file=sys.stderr, flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k != "per_query"}), file=sys.stderr,
+              flush=True)
         start = stop
     result = {"checkpoint": str(checkpoint), "step": loaded.step, "queries": queries,
               "top_k": model.cfg.msa.top_k, "chunk": model.cfg.msa.chunk,

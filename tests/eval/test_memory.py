@@ -50,6 +50,20 @@ def test_memory_cli_build_query_niah(tmp_path, capsys):
         assert row["needle_in_memory"] == row["recall_topk"]["1"]
         assert (row["exact_match_in_memory"] is None) == (row["needle_in_memory"] == 0)
         assert set(row["near_misses"]) == {"bank", "1"}
+        # per query: the answer, the choices and each answer token's teacher-forced hit, which
+        # the aggregate columns are made of
+        queries = row["per_query"]
+        assert len(queries) == 4
+        assert row["exact_match"] == sum(q["exact"] for q in queries) / 4
+        assert row["needle_in_memory"] == sum(q["in_memory"] for q in queries) / 4
+        for q in queries:
+            assert q["exact"] == (q["answer"] == q["value"])
+            assert q["in_memory"] == (q["doc"] in q["choices"]["1"])
+            assert len(q["forced_hits"]) == len(q["value"]) + 1  # byte digits and EOS
+        hits = [q["forced_hits"] for q in queries]
+        assert abs(row["answer_token_acc"] - sum(map(sum, hits)) / sum(map(len, hits))) < 1e-12
+        by_pos = row["token_acc_by_position"]
+        assert by_pos == [sum(h[i] for h in hits) / 4 for i in range(len(hits[0]))]
 
 
 def test_near_misses_count_wrong_choices_that_share_a_key_word():
