@@ -151,18 +151,28 @@ def finish_document_scores(acc: tuple[jax.Array, jax.Array], chunk_reduce: str) 
     return jnp.where(count > 0, value / jnp.maximum(count, 1), -jnp.inf)
 
 
+def fold_chunk_scores(s_bc: jax.Array, chunk_doc_bc: jax.Array, n: int,
+                      chunk_reduce: str) -> jax.Array:
+    """Document scores [B,n] from chunk scores s [B,C] of documents chunk_doc [B,C] (n = no
+    document) in one pass; the memory bank folds its tiles with accumulate_document_scores."""
+    acc = accumulate_document_scores(init_document_scores(s_bc.shape[0], n, chunk_reduce), s_bc,
+                                     chunk_doc_bc, chunk_reduce)
+    return finish_document_scores(acc, chunk_reduce)
+
+
+def _chunk_documents(layout: dict[str, Any], n: int) -> jax.Array:
+    """Each chunk slot's document [B,C], n for slots without tokens."""
+    return jnp.where(layout["count"] > 0, layout["chunk_doc"], n)
+
+
 def document_scores(q_route: jax.Array, k_route_chunks: jax.Array, reads: jax.Array,
                     layout: dict[str, Any], cfg: Any) -> jax.Array:
     """Document scores [B,N] float32 (-inf for empty document slots and rows without router-read
     query tokens) from rotated routing queries [B,T,H,Dh], pooled routing keys [B,C,K,Dh] and the
     router-read query tokens reads [B,T] (msa.py's module docstring for the three reductions)."""
-    batch = q_route.shape[0]
     n = layout["positive"].shape[1]
     s_bc = chunk_scores(q_route, k_route_chunks, reads, cfg)
-    chunk_doc = jnp.where(layout["count"] > 0, layout["chunk_doc"], n)
-    acc = accumulate_document_scores(init_document_scores(batch, n, cfg.chunk_reduce), s_bc,
-                                     chunk_doc, cfg.chunk_reduce)
-    doc = finish_document_scores(acc, cfg.chunk_reduce)
+    doc = fold_chunk_scores(s_bc, _chunk_documents(layout, n), n, cfg.chunk_reduce)
     valid = jnp.arange(n)[None, :] < layout["n_docs"][:, None]
     return jnp.where(valid & jnp.any(reads, axis=1)[:, None], doc, -jnp.inf)
 
@@ -186,12 +196,10 @@ def batch_document_scores(q_route: jax.Array, k_route_chunks: jax.Array, reads: 
     q_reads = jnp.take_along_axis(reads, order, axis=1)
     keys = k_route_chunks.reshape((batch * c_slots,) + k_route_chunks.shape[2:])
     s = chunk_scores(q, keys, q_reads, cfg)  # [B, B*C]: every row's chunks shared by every query
-    chunk_doc = jnp.where(layout["count"] > 0, layout["chunk_doc"], n)
+    chunk_doc = _chunk_documents(layout, n)
     flat_doc = jnp.where(chunk_doc < n, chunk_doc + n * jnp.arange(batch)[:, None], batch * n)
     flat_doc = jnp.broadcast_to(flat_doc.reshape(1, -1), s.shape)
-    acc = accumulate_document_scores(init_document_scores(batch, batch * n, cfg.chunk_reduce), s,
-                                     flat_doc, cfg.chunk_reduce)
-    doc = finish_document_scores(acc, cfg.chunk_reduce).reshape(batch, batch, n)
+    doc = fold_chunk_scores(s, flat_doc, batch * n, cfg.chunk_reduce).reshape(batch, batch, n)
     valid = jnp.arange(n)[None, None, :] < layout["n_docs"][None, :, None]
     doc = jnp.where(valid & jnp.any(reads, axis=1)[:, None, None], doc, -jnp.inf)
     return doc, jnp.sum(reads, axis=1) <= r
