@@ -115,9 +115,12 @@ def quantized_recall(mixer: str, heads: int, trained: nnx.State, args) -> dict:
     rnd = (np.arange(x.shape[1]) + 1) // per_round - 1          # query round of each target
     last = rnd >= args.quant_rounds - max(args.quant_rounds // 4, 1)
 
-    def acc(hit, where=True):
-        m = w & where
-        return float(hit[m].mean())
+    def summary(setting, hit, diff, state_bytes):
+        return {"setting": setting, "accuracy": float(hit[w].mean()),
+                "first_round": float(hit[w & (rnd == 0)].mean()),
+                "last_quarter": float(hit[w & last].mean()),
+                "max_abs_logit_diff": float(diff.max()),
+                "state_bytes_per_row_per_layer": state_bytes}
 
     rows, ref, fp32_model = [], None, None
     for s in args.quant_settings:
@@ -128,15 +131,9 @@ def quantized_recall(mixer: str, heads: int, trained: nnx.State, args) -> dict:
         if ref is None:
             ref, fp32_model = r.pop("logits"), model
         gd = [b for b in r["state_bytes"] if b]
-        rows.append({"setting": s, "accuracy": acc(r["hit"]),
-                     "first_round": acc(r["hit"], rnd == 0),
-                     "last_quarter": acc(r["hit"], last),
-                     "max_abs_logit_diff": float(r["diff"].max()),
-                     "state_bytes_per_row_per_layer": gd[0] // x.shape[0] if gd else 0})
+        rows.append(summary(s, r["hit"], r["diff"], gd[0] // x.shape[0] if gd else 0))
     f = forward_scores(fp32_model, x, y, 0, ref)
-    rows.append({"setting": "training forward", "accuracy": acc(f["hit"]),
-                 "first_round": acc(f["hit"], rnd == 0), "last_quarter": acc(f["hit"], last),
-                 "max_abs_logit_diff": float(f["diff"].max()), "state_bytes_per_row_per_layer": 0})
+    rows.append(summary("training forward", f["hit"], f["diff"], 0))
     return {"rounds": args.quant_rounds, "tokens": int(x.shape[1]) + 1,
             "sequences": int(x.shape[0]), "rows": rows}
 

@@ -162,11 +162,11 @@ def _time(fn, repeats: int = 3) -> float:
 
 def _teacher_forced(model, tokenizer, device_bank, prompts, needles, batch, mesh
                     ) -> tuple[np.ndarray, list[np.ndarray]]:
-    """([queries, 3]: (summed NLL, greedy hits, count) of each query's answer tokens and EOS,
-    each given the true prefix, with the answer unread by the router (routing on the prompt
-    alone, as in training); per query, the greedy hit [count] bool of each of those tokens).
-    They move as soon as the model starts to copy; exact match waits for whole answers."""
-    out, by_token = [], []
+    """(summed NLL [queries] of each query's answer tokens and EOS, each given the true prefix,
+    with the answer unread by the router (routing on the prompt alone, as in training); per
+    query, the greedy hit [tokens] bool of each of those tokens). They move as soon as the model
+    starts to copy; exact match waits for whole answers."""
+    nll, by_token = [], []
     for first in range(0, len(prompts), batch):
         rows = []
         for prompt, (_, _, value) in zip(prompts[first:first + batch],
@@ -185,10 +185,9 @@ def _teacher_forced(model, tokenizer, device_bank, prompts, needles, batch, mesh
         logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
         for b, (p, a) in enumerate(rows):
             at = np.arange(len(p) - 1, len(p) - 1 + len(a))
-            hit = logp[b, at].argmax(-1) == np.asarray(a)
-            out.append((-float(logp[b, at, a].sum()), int(hit.sum()), len(a)))
-            by_token.append(hit)
-    return np.asarray(out, np.float64), by_token
+            nll.append(-float(logp[b, at, a].sum()))
+            by_token.append(logp[b, at].argmax(-1) == np.asarray(a))
+    return np.asarray(nll, np.float64), by_token
 
 
 def _accuracy_by_position(hits: list[np.ndarray]) -> list[float]:
@@ -224,15 +223,16 @@ def evaluate_size(model, tokenizer, bank: mb.MemoryBank, needles, *, batch: int,
                 choices.setdefault(layer, []).append(list(chosen[b]))
                 found[layer] = found.get(layer, 0) + int(doc in chosen[b])
                 first_choice[layer] = first_choice.get(layer, 0) + int(doc == chosen[b][0])
-    forced, forced_hits = _teacher_forced(model, tokenizer, device_bank, prompts, needles, batch,
-                                          mesh)
-    nll, hits, count = forced.sum(0)
+    forced_nll, forced_hits = _teacher_forced(model, tokenizer, device_bank, prompts, needles,
+                                              batch, mesh)
+    hits, count = sum(int(h.sum()) for h in forced_hits), sum(h.size for h in forced_hits)
+    in_mem_hits = [h for h, m in zip(forced_hits, in_memory) if m]
+    mem_hits, mem_count = sum(int(h.sum()) for h in in_mem_hits), sum(h.size for h in in_mem_hits)
     per_query = [{"doc": int(doc), "key": key, "value": value, "answer": answers[i],
                   "exact": bool(right[i]), "in_memory": bool(in_memory[i]),
                   "choices": {str(layer): [int(d) for d in c[i]] for layer, c in choices.items()},
                   "forced_hits": forced_hits[i].astype(int).tolist()}
                  for i, (doc, key, value) in enumerate(needles)]
-    mem_hits, mem_count = forced[in_memory, 1].sum(), forced[in_memory, 2].sum()
     # One query: the prefill (routing over every chunk) and the decode steps, timed apart.
     one = np.asarray([prompts[0]], np.int32)
     length = np.asarray([one.shape[1]], np.int32)
@@ -250,7 +250,7 @@ def evaluate_size(model, tokenizer, bank: mb.MemoryBank, needles, *, batch: int,
     device = sum(int(np.prod(a.shape)) * a.dtype.itemsize
                  for a in jax.tree.leaves(device_bank.arrays))
     return {"tokens": bank.n_tokens, "documents": bank.n_docs, "chunks": bank.n_chunks,
-            "exact_match": float(right.mean()), "answer_nll": nll / count,
+            "exact_match": float(right.mean()), "answer_nll": float(forced_nll.sum()) / count,
             "answer_token_acc": hits / count,
             # The reading alone: the queries whose needle some routing layer brought into memory.
             "needle_in_memory": float(in_memory.mean()),
@@ -259,8 +259,7 @@ def evaluate_size(model, tokenizer, bank: mb.MemoryBank, needles, *, batch: int,
             "answer_token_acc_in_memory": (mem_hits / mem_count if mem_count else None),
             # where the answers go wrong: each answer token's accuracy (teacher forced, EOS last)
             "token_acc_by_position": _accuracy_by_position(forced_hits),
-            "token_acc_by_position_in_memory": _accuracy_by_position(
-                [h for h, m in zip(forced_hits, in_memory) if m]),
+            "token_acc_by_position_in_memory": _accuracy_by_position(in_mem_hits),
             "recall_topk": {str(k): v / len(needles) for k, v in sorted(found.items())},
             "recall_1": {str(k): v / len(needles) for k, v in sorted(first_choice.items())},
             "near_misses": (near_misses(choices, needles, doc_keys, bank.n_docs)
