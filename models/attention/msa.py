@@ -155,6 +155,13 @@ class MSAConfig:
     # other rows; a row with more keeps only its own row's negatives (metric "batch_unfit").
     routing_negatives: str = runtime_field("row")
     batch_query_tokens: int = runtime_field(64)
+    # Training only: documents of the batch's OTHER rows added to each query's memory, the
+    # highest-scoring ones by the routing rule (0 = none). A bank's router brings the needle plus
+    # the best-scoring of thousands of documents, competitors a row of a few documents rarely holds,
+    # and a reader trained on rows alone confuses them (eval/BENCHMARKS.md "MSA"); these are the
+    # hardest of the batch's B*N. Scored as routing_negatives="batch" (batch_query_tokens);
+    # gradients reach their keys and values. Cached calls and banks ignore it.
+    memory_negatives: int = runtime_field(0)
     # Document slots per row; a row with a query and more documents is refused (outputs NaN).
     max_documents: int = runtime_field(64)
     implementation: str | None = runtime_field(None)  # flash_attention backend (None = best)
@@ -165,6 +172,9 @@ class MSAConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"MSAConfig.{name}={v!r}: must be a positive int")
+        m = self.memory_negatives
+        if not isinstance(m, int) or isinstance(m, bool) or m < 0:
+            raise ValueError(f"MSAConfig.memory_negatives={m!r}: must be an int >= 0")
         kv = self.kv_chunk
         if kv is not None and (not isinstance(kv, int) or isinstance(kv, bool) or kv <= 0):
             raise ValueError(f"MSAConfig.kv_chunk={kv!r}: must be a positive int, or None (= "
@@ -342,21 +352,30 @@ class MSAttention(nnx.Module):
         chunk_sel = jnp.take_along_axis(jnp.pad(selected, ((0, 0), (0, 1))),
                                         kv_layout["chunk_doc"], axis=1) & (kv_layout["count"] > 0)
         chunk_seg = jnp.where(chunk_sel, query_id[:, None], _HIDDEN)
-        k_all = jnp.concatenate([k_chunks, p["k"]], axis=1)
-        v_all = jnp.concatenate([v_chunks, p["v"]], axis=1)
-        kv_seg = jnp.concatenate([chunk_seg, seg], axis=1)
-        offset = jnp.full((batch,), kv_layout["n_slots"], jnp.int32)
-        y = flash_attention(p["q"], k_all, v_all, mask=AttentionMask(causal=True),
-                            segment_ids=(seg, kv_seg), q_offset=offset, **kernel)
+        memory_k, memory_v, memory_seg = [k_chunks], [v_chunks], [chunk_seg]
 
         valid = jnp.arange(n)[None, :] < layout["n_docs"][:, None]
         positive = layout["positive"] & valid & jnp.isfinite(scores)
         for k, r in zip((1, 5, 10), top_k_recall(scores, positive, (1, 5, 10))):
             report_metric(self, f"recall@{k}", r)
         loss_scores, loss_positive = scores, positive
-        if c.routing_negatives == "batch":
-            loss_scores, loss_positive = self._batch_scores(p, reads, kr_chunks, layout, scores,
-                                                            positive)
+        if c.routing_negatives == "batch" or c.memory_negatives:
+            cross, cross_positive = self._batch_scores(p, reads, kr_chunks, layout, scores,
+                                                       positive)
+            if c.routing_negatives == "batch":
+                loss_scores, loss_positive = cross, cross_positive
+            if c.memory_negatives:
+                extra_k, extra_v, extra_seg = self._memory_negatives(cross, kv_layout, k_chunks,
+                                                                     v_chunks, query_id)
+                memory_k.append(extra_k)
+                memory_v.append(extra_v)
+                memory_seg.append(extra_seg)
+        k_all = jnp.concatenate(memory_k + [p["k"]], axis=1)
+        v_all = jnp.concatenate(memory_v + [p["v"]], axis=1)
+        kv_seg = jnp.concatenate(memory_seg + [seg], axis=1)
+        offset = jnp.full((batch,), k_all.shape[1] - seg.shape[1], jnp.int32)
+        y = flash_attention(p["q"], k_all, v_all, mask=AttentionMask(causal=True),
+                            segment_ids=(seg, kv_seg), q_offset=offset, **kernel)
         temperature = jnp.clip(self.temperature[...].astype(jnp.float32), *TEMPERATURE_RANGE)
         loss = infonce(loss_scores, loss_positive, jnp.isfinite(loss_scores), temperature,
                        c.routing_loss_form)
@@ -384,6 +403,28 @@ class MSAttention(nnx.Module):
         report_metric(self, "batch_unfit", jnp.sum(has_query & ~fits)
                       / jnp.maximum(jnp.sum(has_query), 1))
         return cross, pos
+
+    def _memory_negatives(self, cross, kv_layout, k_chunks, v_chunks, query_id
+                          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """MSAConfig.memory_negatives: (k, v [B,M,K,Dh], kv segment ids [B,M]) of the
+        highest-scoring documents of the other rows (cross [B,B*N] from _batch_scores), gathered
+        as a bank's documents are (msa_routing.gather_memory), M = memory_negatives * C slots;
+        hidden where a slot is unused or this layer does not route."""
+        batch, n = cross.shape[0], cross.shape[1] // cross.shape[0]
+        c_slots = kv_layout["n_slots"]
+        own = jnp.repeat(jnp.eye(batch, dtype=jnp.bool_), n, axis=1)
+        docs = select_bank_documents(jnp.where(own, -jnp.inf, cross),
+                                     self.cfg.msa.memory_negatives)
+        docs = jnp.where(self.routes[...] > 0, docs, -1)
+        rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, c_slots))
+        n_chunks = jnp.zeros((batch, n + 1), jnp.int32).at[rows, kv_layout["chunk_doc"]].add(
+            (kv_layout["count"] > 0).astype(jnp.int32))[:, :n]
+        start = jnp.cumsum(n_chunks, axis=1) - n_chunks + c_slots * jnp.arange(batch)[:, None]
+        flat = (batch * c_slots,) + k_chunks.shape[2:]
+        k, v, used = gather_memory(k_chunks.reshape(flat), v_chunks.reshape(flat),
+                                   start.reshape(-1), n_chunks.reshape(-1), docs, c_slots)
+        return (k.swapaxes(1, 2), v.swapaxes(1, 2),
+                jnp.where(used, query_id[:, None], _HIDDEN))
 
     def _cached(self, p: dict[str, jax.Array], segment_ids: jax.Array | None,
                 cache: dict[str, Any]) -> tuple[jax.Array, dict[str, Any]]:

@@ -455,6 +455,39 @@ def test_gradients_reach_router_and_pooled_document_kv():
     assert np.abs(np.asarray(gw.wk[...])).max() > 0 and np.abs(np.asarray(gw.wv[...])).max() > 0
 
 
+@pytest.mark.parametrize("kv_chunk", [None, 1])
+def test_memory_negatives_read_the_other_rows_best_document(kv_chunk):
+    """memory_negatives=1: row 0's query reads its own selected documents plus the other row's
+    (one document there, so it is the best); equal to one packed row holding that document too,
+    with top_k covering all three. The other row's document gets the query's gradient; a
+    non-routing layer ignores the option."""
+    msa = dataclasses.replace(MSA, top_k=3, kv_chunk=kv_chunk)
+    cfg = dataclasses.replace(CFG, msa=dataclasses.replace(msa, memory_negatives=1))
+    seg, pos = _rows([dict(doc_lengths=[6, 9], query_length=5),
+                      dict(doc_lengths=[7], query_length=4)])
+    ref_seg, ref_pos = _rows([dict(doc_lengths=[6, 9, 7], query_length=5)])
+    x = _x(9)
+    ref_x = jnp.concatenate([x[0, :15], x[1, :7], x[0, 15:20], x[0, 20:T - 7]])[None]
+    plain = dataclasses.replace(CFG, msa=msa)
+    for index in (1, 0):
+        layer = MSAttention(cfg, rngs=nnx.Rngs(0), layer_index=index)
+        got = np.asarray(_apply(layer, x, pos, seg))
+        ref_layer = MSAttention(plain, rngs=nnx.Rngs(0), layer_index=index)
+        if index:
+            ref = np.asarray(_apply(ref_layer, ref_x, ref_pos, ref_seg))[0, 22:27]
+        else:  # a non-routing layer: as without the option
+            ref = np.asarray(_apply(ref_layer, x, pos, seg))[0, 15:20]
+        np.testing.assert_allclose(got[0, 15:20], ref, rtol=1e-5, atol=1e-6)
+
+    def row0_query(layer, x):
+        y = layer(x, positions=pos, segment_ids=seg)[0]
+        return jnp.sum(y[0, 15:20] ** 2)
+
+    layer = MSAttention(cfg, rngs=nnx.Rngs(0), layer_index=1)
+    gx = np.abs(np.asarray(nnx.grad(row0_query, argnums=1)(layer, x))).sum(-1)
+    assert gx[1, :7].min() > 0 and gx[1, 7:].max() == 0  # every token of the read document
+
+
 def test_transformer_forward_backward_with_dense_and_msa():
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2,
                       mixers=("dense", "msa"), msa=MSAConfig(chunk=4, top_k=2, max_documents=8,
@@ -489,6 +522,7 @@ def test_transformer_forward_backward_with_dense_and_msa():
     (dict(head_reduce="sum"), "head_reduce"),
     (dict(query_reduce="first"), "query_reduce"), (dict(temperature=0.9), "temperature"),
     (dict(routing_loss_form="coupled"), "routing_loss_form"),
+    (dict(memory_negatives=-1), "memory_negatives"),
     (dict(routing_layers=(-1,)), "routing_layers"), (dict(implementation="cuda"),
                                                      "implementation")])
 def test_config_validation_names_the_field(kwargs, field):
