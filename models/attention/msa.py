@@ -416,13 +416,11 @@ class MSAttention(nnx.Module):
         docs = select_bank_documents(jnp.where(own, -jnp.inf, cross),
                                      self.cfg.msa.memory_negatives)
         docs = jnp.where(self.routes[...] > 0, docs, -1)
-        rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, c_slots))
-        n_chunks = jnp.zeros((batch, n + 1), jnp.int32).at[rows, kv_layout["chunk_doc"]].add(
-            (kv_layout["count"] > 0).astype(jnp.int32))[:, :n]
-        start = jnp.cumsum(n_chunks, axis=1) - n_chunks + c_slots * jnp.arange(batch)[:, None]
+        start = kv_layout["doc_start"] + c_slots * jnp.arange(batch)[:, None]  # flat slots
         flat = (batch * c_slots,) + k_chunks.shape[2:]
         k, v, used = gather_memory(k_chunks.reshape(flat), v_chunks.reshape(flat),
-                                   start.reshape(-1), n_chunks.reshape(-1), docs, c_slots)
+                                   start.reshape(-1), kv_layout["doc_chunks"].reshape(-1), docs,
+                                   c_slots)
         return (k.swapaxes(1, 2), v.swapaxes(1, 2),
                 jnp.where(used, query_id[:, None], _HIDDEN))
 

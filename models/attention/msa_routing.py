@@ -40,7 +40,8 @@ def document_layout(segment_ids: jax.Array, chunk: int, max_documents: int) -> d
     Returns {"doc" [B,T]: document index (N for non-document tokens and documents past N),
     "slot" [B,T]: chunk slot (C for non-document tokens), "n_docs" [B], "fits" [B] (n_docs <= N),
     "count" [B,C]: real tokens per chunk slot, "chunk_doc" [B,C]: document of each slot (N if
-    empty), "positive" [B,N] bool, "n_slots": C}.
+    empty), "doc_chunks" [B,N]: chunks of each document, "doc_start" [B,N]: its first slot (a
+    document's chunks are consecutive), "positive" [B,N] bool, "n_slots": C}.
     """
     seg = segment_ids.astype(jnp.int32)
     batch, seq = seg.shape
@@ -65,7 +66,8 @@ def document_layout(segment_ids: jax.Array, chunk: int, max_documents: int) -> d
     first_id = jnp.zeros((batch, n + 1), jnp.int32).at[rows, jnp.where(start, doc, n)].set(seg)
     positive = (first_id[:, :n] & ANSWER_BIT) != 0
     return {"doc": doc, "slot": slot, "n_docs": n_docs, "fits": n_docs <= n, "count": count,
-            "chunk_doc": chunk_doc, "positive": positive, "n_slots": c_slots}
+            "chunk_doc": chunk_doc, "doc_chunks": n_chunks, "doc_start": base,
+            "positive": positive, "n_slots": c_slots}
 
 
 def pool_chunks(x_bt: jax.Array, layout: dict[str, Any]) -> jax.Array:
