@@ -104,7 +104,7 @@ def initialize_from(trainer: Trainer, say, run_dir: Path | None = None
     data_diffs = config_differences(saved, current, ("data",))
     if data_diffs:
         say("the data section differs from the checkpoint's, so the data stream starts at its "
-            "first batch:\n" + "\n".join(data_diffs))
+            f"first batch (its data.stages counted from step {start}):\n" + "\n".join(data_diffs))
         data_state = None
     return state, data_state
 

@@ -112,14 +112,16 @@ def _train_in(trainer: Trainer, hooks, procs: _Processes, stored: Config, run_di
     state, data_state, resumed = _starting_state(trainer, ckpt, run_dir, resume, stored, say)
     if procs.lead:  # only now: a resume that the checkpoint refuses leaves config.json alone
         save_config(stored, run_dir / "config.json")
+    step = start_step = int(jax.device_get(state["step"]))
     if data_state is not None:
         train_it.set_state(data_state)
+    elif step:  # initialize_from with another data section: a fresh stream, whose data.stages
+        train_it.start_at(step)  # still follow the steps (not the stream's own batch count)
     if cfg.data.stages:
         say(_stages_line(cfg))
     jtrain, jeval = trainer.compiled_steps()
     speed = _Speed.of(trainer, state, say)
 
-    step = start_step = int(jax.device_get(state["step"]))
     # Metric lines (and TensorBoard events) after the starting step were logged by an interrupted
     # attempt and are about to be logged again: dropped (all of them when it starts from scratch).
     writer = MetricsWriter(run_dir / "logs", resume_step=step) if procs.lead else _NoWriter()

@@ -33,7 +33,9 @@ class DataConfig:
         the first start step ``weights`` applies. Every source needs a positive weight in some
         stage. Each stage draws its own fresh shuffle (seeded by the stage index), so a source
         used in two stages does not replay its documents; resuming restores the stage and the
-        position in it. Validation always uses every document of every source.
+        position in it, and a run started from another's checkpoint with another data section
+        (checkpoint.initialize_from at step S) opens the stage of step S + 1. Validation always
+        uses every document of every source.
       text_field: field of a JSONL record / column of a Parquet table that holds the document text.
       tokenizer: "byte", a path to an HF ``tokenizer.json`` (needs the ``tokenizers`` package) or
         a path to a tiktoken BPE file (needs the ``tiktoken`` package).

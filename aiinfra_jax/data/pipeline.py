@@ -395,6 +395,11 @@ class _Resumable:
             close()
         self._it = None  # Let grain's iterators go now rather than at interpreter shutdown.
 
+    def start_at(self, batches: int) -> None:
+        """For a fresh stream of a run that starts at step ``batches`` (checkpoint.initialize_from
+        with another data section): the batch count that picks the stage. Only a StagedIterator's
+        batches depend on it."""
+
     def _iterator(self) -> Any:
         if self._it is None:
             raise ValueError(
@@ -519,6 +524,13 @@ class StagedIterator(_Resumable):
         self._batches += 1
         return batch
 
+    def start_at(self, batches: int) -> None:
+        """Counts batches from ``batches`` (before any is drawn): the next batch comes from the
+        stage whose start step that count has reached, that stage opened at its beginning."""
+        if self._batches:
+            raise RuntimeError("start_at: batches were drawn already")
+        self._batches = int(batches)
+
     def get_state(self) -> dict[str, Any]:
         return {
             "format": STATE_FORMAT,
@@ -616,6 +628,10 @@ class StreamsIterator(_Resumable):
         if not any_data:
             raise StopIteration
         return batch
+
+    def start_at(self, batches: int) -> None:
+        for it in self._iterator().values():
+            it.start_at(batches)
 
     def get_state(self) -> dict[str, Any]:
         its = self._iterator()

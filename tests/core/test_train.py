@@ -76,6 +76,15 @@ def test_staged_mixture_resumes_across_its_boundary(tmp_path):
     rest = train(tiny(tmp_path / "b", *common), quiet=True)
     a, b = losses(full), {**losses(part), **losses(rest)}
     assert sorted(b) == list(range(1, 9)) and all(a[k] == b[k] for k in a), (a, b)
+    # A branch from step 3 with other stages (so a fresh data stream): its stages still follow
+    # the steps, so steps 4-6 train on stage 1's mixture and the stream counts from 3.
+    step3 = tmp_path / "b" / "tiny" / "checkpoints" / "3"
+    branch = train(tiny(tmp_path / "c", *common[1:4], "run.steps=6", "data.weights=1,0",
+                        "data.stages=[[5, [0, 1]]]", f"checkpoint.initialize_from={step3}"),
+                   quiet=True)
+    saved = json.loads((Path(branch["run_dir"]) / "checkpoints" / "6" / "data" / "metadata")
+                       .read_text())["data_state"]
+    assert (saved["batches"], saved["stage"]) == (6, 1), saved
 
 
 def test_initialize_from_goes_on_from_another_runs_checkpoint(tmp_path, capsys):

@@ -239,6 +239,15 @@ def test_stages_switch_the_mixture_and_resume_across_a_boundary(tmp_path, monkey
         for k in BATCH_KEYS:
             np.testing.assert_array_equal(got[k], w[k])
 
+    # A fresh stream for a run that starts at step 4 (checkpoint.initialize_from with another
+    # data section): its stages follow the steps, so batch 4 is already b's.
+    late = make_iterator(cfg, TOK, "train", seed=1)
+    late.start_at(4)
+    assert letters(next(late)) == {"b"} and late.stage == 1
+    assert set().union(*(letters(next(late)) for _ in range(3))) == {"b", "c"}
+    with pytest.raises(RuntimeError, match="drawn already"):
+        late.start_at(0)
+
     moved = DataConfig(sources=tuple(paths), weights=(1, 0, 0), stages=((4, (0, 1, 0)), (5, (0, 1, 1))),
                        seq_len=16, batch_size=4, val_fraction=0.0)
     with pytest.raises(ValueError, match="saved with stages .* resume with the same DataConfig.stages"):

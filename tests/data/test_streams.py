@@ -44,6 +44,10 @@ def test_one_stream_is_the_pipeline_it_always_was():
     staged = DataConfig(seq_len=32, batch_size=4, sources=("embedded", "embedded"),
                         stages=((3, (1.0, 1.0)),))
     assert isinstance(make_iterator(staged, TOK, "train", seed=3), StagedIterator)
+    two = make_iterator(dataclasses.replace(staged, streams=2), TOK, "train", seed=3)
+    two.start_at(3)  # every stream's stages counted from step 3
+    next(two)
+    assert [two.get_state()["states"][k]["stage"] for k in ("0", "1")] == [1, 1]
 
 
 def test_a_batch_is_its_streams_rows_whoever_reads_them(tmp_path, monkeypatch):
