@@ -46,6 +46,12 @@ Options (comma-separated key=value after ``synthetic:msa_niah:``):
   near_keys       how many of the distractors' keys share a word with the needle's key (its
                   adjective or its noun; default 0 = keys drawn at random): the near misses a
                   large memory bank is full of ("bold-river" among "bold-stone", "calm-river")
+  same_length     how many of the other distractors' keys have the needle key's length (its
+                  prompt "{key} is " encodes to as many tokens; default 0). Facts open these short
+                  documents, so such a distractor's value sits at exactly the needle value's
+                  positions: a reader that finds the answer by position alone cannot tell them
+                  apart, one that matches the key can (eval/BENCHMARKS.md "MSA": the router's
+                  second choice in a large bank is often such a document)
   min_doc_length  shortest document, tokens (default 0 = max(half of max_doc_length, the longest
                   fact + 1))
   max_doc_length  longest document, tokens (default 0 = the most that always fits:
@@ -77,8 +83,8 @@ from aiinfra_jax.tasks.common import ADJECTIVES, NOUNS, distinct, example_rng, n
 ANSWER_BIT = 1 << 30
 TRAIN_SEED_BASE = 2**40  # as aiinfra_jax.data.synthetic: never an evaluation seed
 MSA_TASKS = ("msa_niah",)
-_INT = ("n", "seed", "docs", "positives", "distractors", "near_keys", "min_doc_length",
-        "max_doc_length", "query_offset")
+_INT = ("n", "seed", "docs", "positives", "distractors", "near_keys", "same_length",
+        "min_doc_length", "max_doc_length", "query_offset")
 _FLOAT = ("answer_weight", "doc_weight", "query_weight")
 _STR = ("haystack",)
 
@@ -93,6 +99,7 @@ class MSAOptions:
     positives: int = 1
     distractors: int = -1
     near_keys: int = 0
+    same_length: int = 0
     min_doc_length: int = 0
     max_doc_length: int = 0
     query_offset: int = 16
@@ -117,6 +124,10 @@ class MSAOptions:
         if self.near_keys > self.n_distractors:
             raise ValueError(f"synthetic:msa option near_keys={self.near_keys} exceeds the "
                              f"{self.n_distractors} distractors; lower it or raise distractors")
+        if self.near_keys + self.same_length > self.n_distractors:
+            raise ValueError(f"synthetic:msa options near_keys={self.near_keys} + same_length="
+                             f"{self.same_length} exceed the {self.n_distractors} distractors; "
+                             "lower them or raise distractors")
         if self.max_doc_length and self.min_doc_length > self.max_doc_length:
             raise ValueError(f"synthetic:msa options min_doc_length={self.min_doc_length} > "
                              f"max_doc_length={self.max_doc_length}")
@@ -168,6 +179,14 @@ def near_keys(rng: np.random.Generator, key: str, n: int, taken: set[str]) -> li
         if other not in taken and other not in out:
             out.append(other)
     return out
+
+
+def same_length_keys(rng: np.random.Generator, n: int, pool: list[str], taken: set[str]
+                     ) -> list[str]:
+    """n distinct keys drawn from ``pool`` (the keys as long as the needle's), none in ``taken``
+    (the source's construction checked that every length's pool holds n + 1)."""
+    free = [k for k in pool if k not in taken]
+    return [free[int(i)] for i in rng.choice(len(free), size=n, replace=False)]
 
 
 def fact_text(key: str, value: str) -> str:
@@ -252,6 +271,15 @@ class MSASource(GeneratedSource):
             raise ValueError(
                 f"data source {spec!r}: min_doc_length={self.min_doc_length} exceeds "
                 f"max_doc_length={self.max_doc_length} (the longest that fits); {fix}")
+        self.keys_of_length: dict[int, list[str]] = {}
+        for k in keys:  # grouped by the prompt's length: same_length draws from a key's group
+            self.keys_of_length.setdefault(hs.encode(tok, query_prompt(k)).size, []).append(k)
+        smallest = min(len(g) for g in self.keys_of_length.values())
+        if o.same_length > smallest - 1:
+            raise ValueError(
+                f"data source {spec!r}: same_length={o.same_length}, but the rarest key length "
+                f"has only {smallest} keys (the needle's among them); lower same_length to <= "
+                f"{smallest - 1}")
         if o.haystack == "essay":
             hs.encode_sentences(tok, "essay")  # fails now if the corpus has no pydoc topics
 
@@ -264,6 +292,13 @@ class MSASource(GeneratedSource):
         rng = example_rng(self.task, TRAIN_SEED_BASE + o.seed * 2**32 + index)
         keys = word_keys(rng, 1 + o.n_distractors)
         values = distinct(rng, 1 + o.n_distractors, number7)
+        if o.same_length:  # first, so that no near key can take the last of a length's keys
+            pool = self.keys_of_length[hs.encode(tok, query_prompt(keys[0])).size]
+            at = 1 + o.near_keys
+            keys[at:at + o.same_length] = same_length_keys(rng, o.same_length, pool, {keys[0]})
+            for i in range(at + o.same_length, len(keys)):  # a random key may be one of them
+                while keys[i] in keys[:i]:
+                    keys[i] = word_keys(rng, 1)[0]
         if o.near_keys:
             keys[1:1 + o.near_keys] = near_keys(rng, keys[0], o.near_keys, set(keys))
         order = rng.permutation(o.docs)

@@ -112,6 +112,22 @@ def test_near_keys_share_one_word_with_the_needle_key():
             assert key != r.key and len(words & set(key.split("-"))) == 1, (text, r.key)
 
 
+def test_same_length_distractors_hold_their_value_where_the_needle_does():
+    src = open_source(SPEC + ",near_keys=1,same_length=1", DataConfig(seq_len=T))
+    for i in range(8):
+        r = src.row(i)
+        docs, _ = _check_msa_row(src[i], r.value, r.positives, answer_weight=2.0)
+        keys = []
+        for j in r.distractors:
+            s, e, _ = docs[j]
+            text = TOK.decode(src[i]["inputs"][s:e])
+            keys.append(re.search(r"([a-z]+-[a-z]+) is \d{7}\.", text).group(1))
+        assert len(set(keys + [r.key])) == len(keys) + 1, (keys, r.key)
+        same = [k for k in keys if len(k) == len(r.key)]  # the byte tokenizer: length = bytes
+        assert len(same) >= 1, (keys, r.key)
+        assert sum(len(set(r.key.split("-")) & set(k.split("-"))) == 1 for k in keys) >= 1
+
+
 def test_mixed_with_the_corpus_and_deterministic(monkeypatch):
     monkeypatch.setattr(pipeline, "SHUFFLE_WINDOW", 64)
     spec = "synthetic:msa_niah:docs=3,min_doc_length=9,distractors=0,haystack=noise"
@@ -168,6 +184,8 @@ def test_whole_rows_pass_through_the_pipeline_unchanged():
     ("synthetic:msa_niah:positives=9", 4096, r"positives=9 exceeds docs=8"),
     ("synthetic:msa_niah:docs=4,distractors=4", 4096, r"distractors=4"),
     ("synthetic:msa_niah:docs=4,distractors=2,near_keys=3", 4096, r"near_keys=3 exceeds"),
+    ("synthetic:msa_niah:docs=4,near_keys=2,same_length=2", 4096, r"same_length=2 exceed"),
+    ("synthetic:msa_niah:docs=8,same_length=4", 4096, r"same_length=4.*rarest"),
     ("synthetic:msa_niah:haystack=poems", 4096, r"haystack"),
     ("synthetic:msa_niah:dcos=4", 4096, r"bad option"),
     ("synthetic:msa_niah:docs=four", 4096, r"not a number"),
