@@ -6,6 +6,9 @@ A mixer, FFN or residual scheme reports them from inside its `__call__`:
                                                (weight it by the component's own config field,
                                                a `runtime_field` so `--set` can change it)
     report_metric(self, "recall", value)       scalar, logged per layer and averaged over layers
+                                               (NaN in a layer it does not apply to, e.g. an
+                                               MSA layer that does not route: left out of the
+                                               average)
     record(self, "selected_blocks", array)     any array, for diagnostics (returned on request)
 
 Each is stored on the module as an `nnx.Intermediate` (or subclass) variable under that name, as

@@ -165,7 +165,8 @@ def _has_model_state(block: nnx.Module) -> bool:
 def _per_layer(stacked: dict[str, dict[str, jax.Array]], block_size: int) -> Aux:
     """Block outputs stacked over the R repeats ({kind: {"layers/<p>/<name>": [R, ...]}}) ->
     aux with layer index i = r * P + p: losses summed over layers, metrics per layer and
-    averaged, intermediates per layer (models/auxiliary.py)."""
+    averaged over the layers where they are not NaN, intermediates per layer
+    (models/auxiliary.py)."""
     aux = auxiliary.empty()
     per_name: dict[str, list] = {}
     for kind, values in stacked.items():
@@ -181,7 +182,7 @@ def _per_layer(stacked: dict[str, dict[str, jax.Array]], block_size: int) -> Aux
                 else:
                     aux["intermediates"][f"layer_{i}/{name}"] = value[r]
     for name, values in per_name.items():
-        aux["metrics"][name] = jnp.mean(jnp.stack(values))
+        aux["metrics"][name] = jnp.nanmean(jnp.stack(values))  # NaN: not for that layer
     return aux
 
 

@@ -357,7 +357,7 @@ class MSAttention(nnx.Module):
         valid = jnp.arange(n)[None, :] < layout["n_docs"][:, None]
         positive = layout["positive"] & valid & jnp.isfinite(scores)
         for k, r in zip((1, 5, 10), top_k_recall(scores, positive, (1, 5, 10))):
-            report_metric(self, f"recall@{k}", r)
+            self._report(f"recall@{k}", r)
         loss_scores, loss_positive = scores, positive
         if c.routing_negatives == "batch" or c.memory_negatives:
             cross, cross_positive = self._batch_scores(p, reads, kr_chunks, layout, scores,
@@ -385,6 +385,11 @@ class MSAttention(nnx.Module):
         # plain packed text (no query) uses no chunk slot, so its outputs never depend on them.
         return refuse_rows(y, layout["fits"] | (query_id == 0))
 
+    def _report(self, name: str, value: jax.Array) -> None:
+        """A routing metric: NaN in a layer that does not route (it scores documents all the
+        same, under the layer scan), so the average over layers is over the routing ones."""
+        report_metric(self, name, jnp.where(self.routes[...] > 0, value, jnp.nan))
+
     def _batch_scores(self, p, reads, kr_chunks, layout, scores, positive
                       ) -> tuple[jax.Array, jax.Array]:
         """(scores, positives) [B, B*N] of in-batch negatives (MSAConfig.routing_negatives): row
@@ -398,10 +403,9 @@ class MSAttention(nnx.Module):
         cross = cross.reshape(batch, batch * n)
         pos = (own & positive[:, None, :]).reshape(batch, batch * n)
         for k, r in zip((1, 5, 10), top_k_recall(cross, pos, (1, 5, 10))):
-            report_metric(self, f"batch_recall@{k}", r)
+            self._report(f"batch_recall@{k}", r)
         has_query = jnp.any(reads, axis=1)
-        report_metric(self, "batch_unfit", jnp.sum(has_query & ~fits)
-                      / jnp.maximum(jnp.sum(has_query), 1))
+        self._report("batch_unfit", jnp.sum(has_query & ~fits) / jnp.maximum(jnp.sum(has_query), 1))
         return cross, pos
 
     def _memory_negatives(self, cross, kv_layout, k_chunks, v_chunks, query_id

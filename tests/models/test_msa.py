@@ -511,6 +511,9 @@ def test_transformer_forward_backward_with_dense_and_msa():
     grads, aux = step(model)
     assert "mixer/routing" in aux["losses"] and float(aux["losses"]["mixer/routing"]) > 0
     assert {"mixer/recall@1", "mixer/recall@5/layer_3", "mixer/recall@10"} <= set(aux["metrics"])
+    m = {k: float(v) for k, v in aux["metrics"].items()}  # layer 1 does not route: NaN, not 0
+    assert np.isnan(m["mixer/recall@1/layer_1"])
+    assert m["mixer/recall@1"] == m["mixer/recall@1/layer_3"]
     leaves = jax.tree.leaves(nnx.state(grads, nnx.Param))
     assert all(np.isfinite(np.asarray(g)).all() for g in leaves)
     rq = np.asarray(grads.blocks.layers[1].mixer.router_q[...])
