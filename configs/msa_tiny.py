@@ -18,17 +18,20 @@ Two data stages, after the long-context presets' lesson that copying must come f
                   and a 400-step stage in 2000 ended before it), with the routing loss off
                   (optim.aux_weight=0: with in-batch negatives it would train from step 1 and
                   stop the copy, eval/BENCHMARKS.md "MSA");
-  steps 701-2000  one needle among 4 documents, the others facts of other keys, two of which share
-                  a word with the needle's key (near_keys=2: "bold-river" beside "bold-stone", the
-                  near misses a large bank is full of) (80%), plus the all-needle rows (20%); the
+  steps 701-2000  one needle among 4 documents, the others facts of other keys: one shares a word
+                  with the needle's key (near_keys=1: "bold-river" beside "bold-stone", the near
+                  misses a large bank is full of), two are as long as it (same_length=2: their
+                  values sit at the needle value's positions, so position alone cannot tell them
+                  apart, and a bank always holds many) (80%), plus the all-needle rows (20%); the
                   routing loss on (optim.loss_stages), each query scored against all 128 documents
                   of the batch (model.msa.routing_negatives="batch": in-batch negatives).
 
-Measured (2026-12-03, eval/BENCHMARKS.md "MSA"), NIAH over a bank of 32K / 128K / 1M tokens
-(785 / 3,116 / 24,992 documents, 50 queries): exact match 68% / 62% / 54%; the needle's document
-in memory for 100% of queries at every size; most wrong answers miss the FIRST digit (60-80%
-right, later digits 90-100%). The same recipe in 1200 steps (copy stage 400): 68% / 58% / 48%,
-needle in memory 100% / 98% / 84%.
+Measured (2026-12-04, eval/BENCHMARKS.md "MSA"), NIAH over a bank of 32K / 128K / 1M tokens
+(785 / 3,116 / 24,992 documents, 50 queries): exact match 90% / 78% / 74%; the needle's document
+in memory for 100% of queries at every size; most wrong answers miss the first digit (82-94%
+right, later digits 92-100%). With near_keys=2 and no same_length (the preset until then): 68% /
+62% / 54%. Continued 600 steps with model.msa.memory_negatives=1 and 600 more with this data
+(a continuation, eval/BENCHMARKS.md): 100% / 94% / 80%.
 
     python train.py --config configs/msa_tiny.py
     python -m aiinfra_jax.eval.memory niah --checkpoint runs/msa_tiny --sizes 32k,128k,1m \
@@ -48,7 +51,8 @@ _ROWS = ("synthetic:msa_niah:docs=4,doc_weight=0.05,answer_weight=1.0,query_offs
 CONFIG = Config(
     model=ModelConfig(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, mixers=("msa",), msa=MSA,
                       short_conv=4, max_seq_len=4096),
-    data=DataConfig(sources=(_ROWS + ",positives=4", _ROWS + ",near_keys=2"), weights=(1, 0),
+    data=DataConfig(sources=(_ROWS + ",positives=4", _ROWS + ",near_keys=1,same_length=2"),
+                    weights=(1, 0),
                     stages=((700, (0.2, 0.8)),), tokenizer="byte", seq_len=256, batch_size=32),
     optim=OptimConfig(lr=3e-3, warmup_steps=50, schedule="cosine", weight_decay=0.1,
                       aux_weight=0.0, loss_stages=((700, 1.0, 1.0),)),
