@@ -24,7 +24,8 @@ the same model these rows are ordinary packed segments. A row without a negative
 has no query: an MSA layer then is causal attention within each segment, like "dense".
 
 The layer: q, k, v projections (GQA) with RoPE at the given (document-wise) positions; bias-free
-routing projections router_q [D,H,Dh] and router_k [D,K,Dh], rotated the same way. Per document,
+routing projections router_q [D,H,Dh] and router_k [D,K,Dh], rotated the same way (unless
+router_rope=False). Per document,
 K, V and the routing key are mean-pooled per chunk after RoPE (a last partial chunk averages only
 its real tokens): the routing key per `chunk` tokens, K and V per `kv_chunk` tokens (by default the
 same chunk, as the paper; kv_chunk < chunk keeps more of each chosen document for the query to
@@ -132,7 +133,8 @@ class MSAConfig:
     top half (i >= n_layers // 2); head_reduce / query_reduce / chunk_reduce: the three
     reductions of the routing score (module docstring); query_offset: first position of the
     query segment (None = top_k; used by batch builders, see pack_row); temperature: initial
-    InfoNCE temperature (a learned scalar, clamped to [0.001, 0.5] at use).
+    InfoNCE temperature (a learned scalar, clamped to [0.001, 0.5] at use); router_rope: whether
+    the routing projections are rotated like q and k (an ablation when False, see the field).
     """
 
     chunk: int = 64
@@ -144,6 +146,12 @@ class MSAConfig:
     chunk_reduce: str = "max"
     query_offset: int | None = None
     temperature: float = 0.1
+    # Rotate the routing projections at the document-wise positions (True, as the paper: the
+    # routing key pooled after RoPE). False routes on unrotated projections, so a chunk's score
+    # cannot depend on where in its document the chunk sits: with RoPE a document whose key is as
+    # long as the needle's scores like it by position alone (eval/BENCHMARKS.md "MSA"). An
+    # ablation added here; q, k and the reading attention keep RoPE either way.
+    router_rope: bool = True
     routing_loss_weight: float = runtime_field(0.1)
     # InfoNCE over documents: "joint" (all positives against all documents) or "decoupled" (each
     # positive against the negatives only); the same with one positive (msa_routing.infonce).
@@ -175,6 +183,8 @@ class MSAConfig:
         m = self.memory_negatives
         if not isinstance(m, int) or isinstance(m, bool) or m < 0:
             raise ValueError(f"MSAConfig.memory_negatives={m!r}: must be an int >= 0")
+        if not isinstance(self.router_rope, bool):
+            raise ValueError(f"MSAConfig.router_rope={self.router_rope!r}: must be True or False")
         kv = self.kv_chunk
         if kv is not None and (not isinstance(kv, int) or isinstance(kv, bool) or kv <= 0):
             raise ValueError(f"MSAConfig.kv_chunk={kv!r}: must be a positive int, or None (= "
@@ -305,14 +315,15 @@ class MSAttention(nnx.Module):
         self.routes = RoutingFlag(jnp.asarray(routes, jnp.int32))
 
     def _project(self, x_btd: jax.Array, positions_bt: jax.Array) -> dict[str, jax.Array]:
-        """q, q_route [B,T,H,Dh] and k, k_route, v [B,T,K,Dh] in the compute dtype; all but v
-        rotated at positions."""
+        """q, q_route [B,T,H,Dh] and k, k_route, v [B,T,K,Dh] in the compute dtype; q and k
+        rotated at positions, q_route and k_route too unless MSAConfig.router_rope is False."""
         dt = jnp.dtype(self.cfg.dtype)
         x = x_btd.astype(dt)
         out = {name: jnp.einsum("btd,dhk->bthk", x, getattr(self, w)[...].astype(dt))
                for name, w in (("q", "wq"), ("k", "wk"), ("v", "wv"), ("q_route", "router_q"),
                                ("k_route", "router_k"))}
-        for name in ("q", "k", "q_route", "k_route"):
+        rotated = ("q", "k") + (("q_route", "k_route") if self.cfg.msa.router_rope else ())
+        for name in rotated:
             out[name] = apply_rope(out[name], positions_bt, self.cfg.rope_theta)
         return out
 

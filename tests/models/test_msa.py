@@ -63,10 +63,11 @@ def _project(layer, x, pos):
     return layer._project(x, pos)
 
 
-def _layer(layer_index=1, kv_chunk=None):
-    key = (layer_index, kv_chunk)
+def _layer(layer_index=1, kv_chunk=None, router_rope=True):
+    key = (layer_index, kv_chunk, router_rope)
     if key not in _LAYERS:
-        cfg = dataclasses.replace(CFG, msa=dataclasses.replace(MSA, kv_chunk=kv_chunk))
+        cfg = dataclasses.replace(CFG, msa=dataclasses.replace(MSA, kv_chunk=kv_chunk,
+                                                               router_rope=router_rope))
         _LAYERS[key] = MSAttention(cfg, rngs=nnx.Rngs(0), layer_index=layer_index)
     return nnx.clone(_LAYERS[key])
 
@@ -379,6 +380,22 @@ def test_document_wise_positions():
     assert np.abs(r[1, q] - r[0, q]).max() > 1e-5  # float noise of the equalities: ~1e-9
 
 
+def test_router_without_rope_routes_on_unrotated_projections():
+    """router_rope=False: q_route and k_route are the projections as at position 0 (no rotation),
+    so routing scores do not depend on positions; q and k are rotated as with the default."""
+    x = _x(5)
+    rot, plain = _project(_layer(), x, POS), _project(_layer(router_rope=False), x, POS)
+    at_zero = _project(_layer(), x, jnp.zeros_like(POS))
+    for name in ("q_route", "k_route"):
+        np.testing.assert_allclose(plain[name], at_zero[name], rtol=1e-6, atol=1e-6)
+        assert np.abs(np.asarray(rot[name] - plain[name])).max() > 1e-3
+    for name in ("q", "k", "v"):
+        np.testing.assert_array_equal(plain[name], rot[name])
+    shifted = _project(_layer(router_rope=False), x, POS + 7)
+    scores = [_route(pr["q_route"], pr["k_route"], SEG, MSA)[2] for pr in (plain, shifted)]
+    np.testing.assert_allclose(scores[0], scores[1], rtol=1e-6, atol=1e-6)
+
+
 def test_no_cross_document_attention():
     layer = _layer()
     x = _x(6)
@@ -525,7 +542,7 @@ def test_transformer_forward_backward_with_dense_and_msa():
     (dict(head_reduce="sum"), "head_reduce"),
     (dict(query_reduce="first"), "query_reduce"), (dict(temperature=0.9), "temperature"),
     (dict(routing_loss_form="coupled"), "routing_loss_form"),
-    (dict(memory_negatives=-1), "memory_negatives"),
+    (dict(memory_negatives=-1), "memory_negatives"), (dict(router_rope=1), "router_rope"),
     (dict(routing_layers=(-1,)), "routing_layers"), (dict(implementation="cuda"),
                                                      "implementation")])
 def test_config_validation_names_the_field(kwargs, field):
