@@ -95,6 +95,11 @@ class MetricsWriter:
         if tensorboard:
             from tensorboardX import SummaryWriter  # imported lazily: it pulls in protobuf
 
+            # tensorboardX warns at every NaN scalar; NaN is a value here (a metric of layers
+            # that do not route is NaN by design, models/transformer.py `_per_layer`), and a NaN
+            # loss already shows on the console, in metrics.jsonl and as the run's bad step.
+            logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
+
             purge = None if resume_step is None else resume_step + 1
             self._tb = SummaryWriter(logdir=str(self.log_dir), purge_step=purge, flush_secs=30)
 

@@ -69,6 +69,19 @@ def test_tensorboard_event_file_created(tmp_path):
     assert b"loss" in events[0].read_bytes()
 
 
+def test_nan_metrics_are_written_without_a_warning_each(tmp_path, caplog):
+    """A metric that is NaN by design (an MSA layer that does not route) goes to both files, and
+    tensorboardX does not log a warning for it at every step."""
+    with caplog.at_level("WARNING"):
+        with MetricsWriter(tmp_path) as w:
+            for step in (1, 2):
+                w.write(step, {"loss": 1.0, "aux/layer_0/recall@1": jnp.float32(jnp.nan)})
+    assert not [r for r in caplog.records if "NaN" in r.getMessage()], caplog.text
+    assert all(math.isnan(r["aux/layer_0/recall@1"])
+               for r in read_jsonl(tmp_path / "metrics.jsonl"))
+    assert b"layer_0/recall" in next(tmp_path.glob("events.out.tfevents.*")).read_bytes()
+
+
 @dataclass
 class FakeDevice:
     device_kind: str
