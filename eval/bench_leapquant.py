@@ -24,6 +24,17 @@ kernels/leapquant/quantize.bytes_per_element, persistent storage (records not co
 window's records at their mean fill. This measures accuracy and bytes, not time (the decode time
 per step of each variant, after its compile, is printed for information only: one run, no repeats).
 
+Cost mode (issue 23's decode step time against float32):
+
+    python -m aiinfra_jax.eval.bench_leapquant --cost [--batches 1,8] [--cost-heads 8]
+        [--cost-dim 128] [--cost-steps 64] [--repeats 7] [--out cost.json]
+
+Per batch size, every format (none = float32 through the one-token gated_delta_rule, the model's
+decode path; int8 = LeapQuant; int8_per_step; bf16_per_step) decodes the same random GDN stream of
+--cost-steps tokens in one compiled lax.scan with its state donated; the median wall time of
+--repeats calls (after one that compiles) divided by the steps, and the state's in-memory bytes per
+row (window records included). All formats in one invocation: run it on a quiet machine.
+
 Quality mode (issue 23's perplexity measurement on a trained run):
 
     python -m aiinfra_jax.eval.bench_leapquant --quality --checkpoint RUN [--docs 8]
@@ -206,6 +217,94 @@ def run_stream(name: str, stream, checkpoints, variants) -> None:
         o = outliers(refs[t])
         print(f"| {t} | {o['state']:.1f} | {o['after_compensators']:.1f} | "
               f"{o['after_smoothing']:.1f} |")
+
+
+# -- Cost mode: decode step time and state bytes, float32 recurrence against the stored formats
+
+COST_FORMATS = ("none", "int8", "int8_per_step", "bf16_per_step")
+
+
+def _cost_spec(fmt: str) -> LeapQuantSpec | None:
+    """The storage spec of a --cost format name (model.gated_delta.state_quant's spelling)."""
+    if fmt == "none":
+        return None
+    base, per_step = (fmt[:-len("_per_step")], True) if fmt.endswith("_per_step") else (fmt, False)
+    return LeapQuantSpec(fmt=base, window=1) if per_step else LeapQuantSpec(fmt=base)
+
+
+def decode_cost(batch: int, heads: int, K: int, V: int, steps: int, repeats: int,
+                formats=COST_FORMATS, seed: int = 0) -> list[dict]:
+    """Median wall time per decode step of `steps` tokens decoded one at a time (one compiled
+    lax.scan, the state donated), per state format, all in this process on the same inputs.
+    "none" steps the float32 state with the one-token gated_delta_rule (the model's decode path);
+    the others run leapquant_decode without an `active` mask, as generate's decode step calls
+    it. GDN decays (scalar per head)."""
+    ks = jax.random.split(jax.random.key(seed), 5)
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    q = unit(jax.random.normal(ks[0], (batch, steps, heads, K)))
+    k = unit(jax.random.normal(ks[1], (batch, steps, heads, K)))
+    v = jax.random.normal(ks[2], (batch, steps, heads, V))
+    g = -0.01 * jnp.exp(0.3 * jax.random.normal(ks[3], (batch, steps, heads)))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (batch, steps, heads)))
+    scale = K ** -0.5
+
+    def fp32_run(S, q, k, v, g, beta):
+        def step(S, xs):
+            o, S = gated_delta_rule(*(x[:, None] for x in xs), initial_state=S,
+                                    output_final_state=True, scale=scale)
+            return S, o[:, 0]
+        S, o = jax.lax.scan(step, S, tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)))
+        return S, jnp.moveaxis(o, 0, 1)
+
+    rows = []
+    for fmt in formats:
+        spec = _cost_spec(fmt)
+        if spec is None:
+            state = jnp.zeros((batch, heads, K, V), jnp.float32)
+            fn = jax.jit(fp32_run, donate_argnums=0)
+        else:
+            state = init_state(spec, batch, heads, K, V, decay_dim=1)
+            fn = jax.jit(lambda s, *a, spec=spec: leapquant_decode(
+                *a, s, spec=spec, scale=scale)[::-1], donate_argnums=0)
+        nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+        state, o = fn(state, q, k, v, g, beta)  # compiles
+        jax.block_until_ready(o)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            state, o = fn(state, q, k, v, g, beta)
+            jax.block_until_ready((state, o))
+            times.append(time.perf_counter() - start)
+        rows.append({"format": fmt, "batch": batch, "heads": heads, "K": K, "V": V,
+                     "us_per_step": float(np.median(times)) / steps * 1e6,
+                     "us_min": float(np.min(times)) / steps * 1e6,
+                     "state_bytes_per_row": nbytes // batch})
+    return rows
+
+
+def cost_main(a) -> int:
+    print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}); {a.cost_heads} "
+          f"value heads, K=V={a.cost_dim}, {a.cost_steps} steps per compiled call, median of "
+          f"{a.repeats}; GDN decays")
+    formats = tuple(filter(None, a.cost_formats.split(",")))
+    bad = [f for f in formats if f not in COST_FORMATS]
+    if bad:
+        raise SystemExit(f"bench_leapquant: --cost-formats {bad}: valid are {COST_FORMATS}")
+    print("\n| batch | state | us/step (median) | us/step (min) | vs float32 | state bytes/row |")
+    print("|---|---|---:|---:|---:|---:|")
+    out = []
+    for batch in (int(b) for b in a.batches.split(",")):
+        rows = decode_cost(batch, a.cost_heads, a.cost_dim, a.cost_dim, a.cost_steps,
+                           a.repeats, formats, a.seed)
+        base = next((r["us_per_step"] for r in rows if r["format"] == "none"), None)
+        for r in rows:
+            ratio = "-" if base is None else f"{r['us_per_step'] / base:.2f}x"
+            print(f"| {batch} | {r['format']} | {r['us_per_step']:.0f} | {r['us_min']:.0f} | "
+                  f"{ratio} | {r['state_bytes_per_row']:,} |", flush=True)
+        out.extend(rows)
+    if a.out:
+        Path(a.out).write_text(json.dumps({"argv": sys.argv[1:], "rows": out}, indent=1))
+    return 0
 
 
 # -- Quality mode: next-token loss of a trained run decoded through its (quantized) state cache
@@ -530,7 +629,19 @@ def main(argv=None) -> int | None:
     q.add_argument("--no-forward", action="store_true",
                    help="skip the training-forward comparison")
     q.add_argument("--out", default=None, help="write the JSON here (and the table as .md)")
+    c = p.add_argument_group("cost mode: decode step time per state format")
+    c.add_argument("--cost", action="store_true",
+                   help="time decode steps of the float32 state and the stored formats")
+    c.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
+    c.add_argument("--cost-heads", type=int, default=8, help="value heads (one state each)")
+    c.add_argument("--cost-dim", type=int, default=128, help="K = V, the state's sides")
+    c.add_argument("--cost-steps", type=int, default=64, help="decode steps per compiled call")
+    c.add_argument("--cost-formats", default=",".join(COST_FORMATS),
+                   help="comma-separated state formats (none = float32)")
+    c.add_argument("--repeats", type=int, default=7, help="timed calls per format (median)")
     a = p.parse_args(argv)
+    if a.cost:
+        return cost_main(a)
     if a.quality:
         a.argv = list(sys.argv[1:] if argv is None else argv)
         return quality_main(a)

@@ -135,21 +135,25 @@ def decode_step(spec: LeapQuantSpec, state: dict, q: jax.Array, k: jax.Array, v:
     if g.ndim == 2:
         g = g[..., None]
     n = state["n"]
+    act = jnp.ones(n.shape, bool) if active is None else active
     G = state["g_now"] + g
     u = v - read(state, G, k, n, reader)
     kt = beta[..., None] * k
-    slot = (jnp.arange(spec.window)[None, :] == n[:, None])[:, None, :, None]  # [B,1,P,1]
+    # An inactive row writes no record and keeps its clock and count, so only the window's small
+    # arrays change in a step. Masking the whole state tree instead (new vs old) made every step
+    # read and write the whole boundary state whenever `active` is a run-time mask (with None,
+    # as in generate's decode, XLA folded the all-true select away).
+    slot = ((jnp.arange(spec.window)[None, :] == n[:, None]) & act[:, None])[:, None, :, None]
     new = dict(state)
     new["rec_k"] = jnp.where(slot, kt[:, :, None, :], state["rec_k"])
     new["rec_u"] = jnp.where(slot, u[:, :, None, :], state["rec_u"])
     new["rec_g"] = jnp.where(slot, G[:, :, None, :], state["rec_g"])
-    new["g_now"], new["n"] = G, n + 1
-    o = scale * read(new, G, q, n + 1, reader)
-    full = new["n"] >= spec.window
+    new["g_now"] = jnp.where(act[:, None, None], G, state["g_now"])
+    new["n"] = n + act.astype(n.dtype)
+    o = scale * read(new, G, q, n + 1, reader)  # an inactive row's output is zeroed below
+    full = new["n"] >= spec.window  # only active rows reach the window's end
     new = jax.lax.cond(jnp.any(full), lambda s: requantize(spec, s, full), lambda s: s, new)
     if active is not None:
-        new = jax.tree.map(lambda a, b: jnp.where(
-            active.reshape(active.shape + (1,) * (a.ndim - 1)), a, b), new, state)
         o = jnp.where(active[:, None, None], o, 0.0)
     return o, new
 

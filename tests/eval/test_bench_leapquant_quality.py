@@ -92,3 +92,24 @@ def test_quality_mode_refuses_a_nan_row(gdn_run, monkeypatch):
     monkeypatch.setattr(bench_leapquant, "_score", poisoned)
     with pytest.raises(FloatingPointError, match="non-finite logits .* first row 1"):
         bench_leapquant.quality(gdn_run, docs=2, length=8, settings=["none"], forward=False)
+
+
+def test_cost_mode_times_every_format_and_counts_state_bytes(tmp_path, capsys):
+    """--cost: one row per batch and format, float32 first (the ratios' base), the state bytes per
+    row from the arrays (float32: heads*K*V*4; per-step int8: the int8 state plus its scales,
+    smoothing and compensators, less than float32 at K=V=16; LeapQuant int8 adds the window's
+    records)."""
+    out = tmp_path / "cost.json"
+    assert bench_leapquant.main(["--cost", "--batches", "1,2", "--cost-heads", "2", "--cost-dim",
+                                 "16", "--cost-steps", "5", "--repeats", "1",
+                                 "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["format"]) for r in rows] == [
+        (b, f) for b in (1, 2) for f in bench_leapquant.COST_FORMATS]
+    by = {(r["batch"], r["format"]): r for r in rows}
+    assert all(r["us_per_step"] > 0 for r in rows)
+    fp32 = 2 * 16 * 16 * 4
+    assert by[1, "none"]["state_bytes_per_row"] == by[2, "none"]["state_bytes_per_row"] == fp32
+    assert by[1, "int8"]["state_bytes_per_row"] > by[1, "int8_per_step"]["state_bytes_per_row"]
+    assert by[1, "int8_per_step"]["state_bytes_per_row"] < by[1, "none"]["state_bytes_per_row"]
+    assert "| 2 | int8 |" in capsys.readouterr().out

@@ -91,6 +91,35 @@ def test_record_form_matches_the_dense_reference_when_quantized():
     assert rel_err(S, S_ref) < 2e-3
 
 
+def test_inactive_steps_leave_a_row_as_if_they_were_not_there():
+    """`active` (right padding, rows that finished): a row decoded with gaps gives, at its active
+    steps, the outputs of that row decoded alone on just those tokens, 0 at the others, and the
+    same final state; re-quantization happens at its own window ends (window 4, 11 active steps
+    of 17), not the batch's."""
+    B, T, H, HV, K, V = 2, 17, 1, 2, 8, 8
+    q, k, v, g, beta = _inputs(5, B, T, H, HV, K, V, False, slow=(1e-2, 0.3))
+    S0 = _normal(6, B, HV, K, V)
+    spec = LeapQuantSpec(fmt="int8", window=4, rank=1)
+    active = np.ones((B, T), bool)
+    active[1, np.random.default_rng(7).choice(T, T - 11, replace=False)] = False
+
+    def run(S0, active, *args):
+        state = encode_state(spec, S0, decay_dim=1)
+        return leapquant_decode(*args, state, spec=spec, active=active)
+
+    o, state = jax.jit(run, compiler_options=_QUICK)(S0, jnp.asarray(active), q, k, v, g, beta)
+    keep = np.flatnonzero(active[1])
+    alone = tuple(x[1:2, keep] for x in (q, k, v, g, beta))
+    o1, state1 = jax.jit(run, compiler_options=_QUICK)(S0[1:2], jnp.ones((1, len(keep)), bool),
+                                                        *alone)
+    np.testing.assert_allclose(o[1, keep], o1[0], rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(o[1, ~active[1]]) == 0)
+    for name in state:
+        np.testing.assert_allclose(state[name][1:2], state1[name], rtol=1e-5, atol=1e-6,
+                                   err_msg=name)
+    assert int(state["n"][1]) == 11 % 4 and int(state["n"][0]) == T % 4
+
+
 def test_power_iteration_recovers_a_planted_low_rank_part():
     K, V, r = 24, 16, 3
     rng = np.random.default_rng(5)
