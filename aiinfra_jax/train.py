@@ -119,7 +119,12 @@ def _train_in(trainer: Trainer, hooks, procs: _Processes, stored: Config, run_di
         train_it.start_at(step)  # still follow the steps (not the stream's own batch count)
     if cfg.data.stages:
         say(_stages_line(cfg))
-    jtrain, jeval = trainer.compiled_steps()
+    if cfg.model.stages:
+        say("model stages: " + "; ".join(
+            f"from step {start + 1}: " + ", ".join(f"{k}={v!r}" for k, v in settings)
+            for start, settings in cfg.model.stages))
+    jtrain, jeval = trainer.compiled_steps(step)
+    stage = cfg.model.stage_start(step)
     speed = _Speed.of(trainer, state, say)
 
     # Metric lines (and TensorBoard events) after the starting step were logged by an interrupted
@@ -139,6 +144,9 @@ def _train_in(trainer: Trainer, hooks, procs: _Processes, stored: Config, run_di
     try:
         with _Stop(signals=procs.count == 1) as stop:
             while step < cfg.run.steps:
+                if cfg.model.stage_start(step) != stage:  # model.stages: the next one begins
+                    stage = cfg.model.stage_start(step)
+                    jtrain, jeval = trainer.compiled_steps(step)
                 batch, data_state_after = interval.next_batch(prefetch)
                 state, metrics = jtrain(state, trainer.shard(batch))
                 last_data_state = data_state_after

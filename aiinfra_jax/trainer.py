@@ -62,7 +62,10 @@ class Trainer:
                               f"{cfg.optim.grad_accum} = {micro} rows per micro-batch, which the "
                               f"{dp} data-parallel devices (mesh {'*'.join(shd.BATCH_AXES)}) do "
                               "not divide")
-        self.graphdef, self.abstract_params, self.rest = abstract_model(cfg.model, cfg.run.seed)
+        # The model of state step 0 (model.stages applied; later stages: compiled_steps).
+        self.graphdef, self.abstract_params, self.rest = abstract_model(cfg.model.at_step(0),
+                                                                        cfg.run.seed)
+        self._stages: dict[int, tuple] = {}  # stage start -> (graphdef, jtrain, jeval)
         self.param_shardings = shd.param_shardings(self.abstract_params, self.mesh)
         self.optimizer = make_optimizer(cfg.optim, cfg.run.steps,
                                         weight_decay_mask(self.abstract_params))
@@ -119,14 +122,32 @@ class Trainer:
         abstract = nnx.merge(self.graphdef, self.abstract_params, self.rest)
         return float(abstract.flops_per_token(self.cfg.data.seq_len))
 
-    def compiled_steps(self):
-        """(train_step(state, batch), eval_step(params, batch, model_state=None)), jitted in
-        the state's shardings and traced under the mesh's activation rules."""
-        train_step = make_train_step(self.graphdef, self.abstract_params, self.rest,
+    def compiled_steps(self, step: int = 0):
+        """(train_step(state, batch), eval_step(params, batch, model_state=None)) of the
+        model.stages stage in force at state step `step`, jitted in the state's shardings and
+        traced under the mesh's activation rules; built once per stage. The trainer's model()
+        then follows that stage."""
+        start = self.cfg.model.stage_start(step)
+        if start not in self._stages:
+            graphdef = self.graphdef
+            if start:
+                graphdef, params, rest = abstract_model(self.cfg.model.at_step(step),
+                                                        self.cfg.run.seed)
+                if (jax.tree.structure(params) != jax.tree.structure(self.abstract_params)
+                        or jax.tree.structure(rest) != jax.tree.structure(self.rest)):
+                    raise ConfigError(f"model.stages: the stage from step {start + 1} changes "
+                                      "the model's parameters; a stage may change run-time "
+                                      "settings only")
+            self._stages[start] = (graphdef,) + self._compile(graphdef)
+        self.graphdef = self._stages[start][0]
+        return self._stages[start][1:]
+
+    def _compile(self, graphdef):
+        train_step = make_train_step(graphdef, self.abstract_params, self.rest,
                                      self.optimizer, self.cfg.optim.grad_accum,
                                      seed=self.cfg.run.seed,
                                      loss_schedule=self.cfg.optim.loss_schedule())
-        eval_step = make_eval_step(self.graphdef, self.abstract_params, self.rest,
+        eval_step = make_eval_step(graphdef, self.abstract_params, self.rest,
                                    self.cfg.eval.position_buckets)
         batch_sh = {k: self.batch_sharding for k in BATCH_KEYS}
         jtrain = jax.jit(shd.with_activation_rules(train_step, self.mesh),

@@ -115,6 +115,14 @@ class ModelConfig:
     # Gives attention the previous tokens directly, so induction / recall circuits form in one
     # layer (models/short_conv.py). fla's linear-attention layers and Canon layers use W = 4.
     short_conv: int = 0
+    # Run-time settings that change during training, as data.stages and optim.loss_stages do:
+    # ((start_step, {dotted run-time key: value, ...}), ...), start steps > 0 and increasing. From
+    # the step after start_step (state step >= start_step) the stage's settings apply on top of
+    # the earlier stages' and this config's own, e.g. ((700, {"msa.memory_negatives": 1}),): the
+    # hardest in-batch documents join MSA's memory only after a copy stage. Only run-time fields
+    # (runtime_field) can change: they leave the parameters as they are. The trainer compiles one
+    # step per stage; loading a run for evaluation uses the settings above, not the stages'.
+    stages: tuple[tuple[int, Any], ...] = runtime_field(())
     # Registered component configs by key (see the module docstring); filled with every registered
     # component's defaults. Pass them by key: ModelConfig(nsa=NSAConfig(window=256)).
     components: Components = dataclasses.field(default_factory=Components)
@@ -225,6 +233,70 @@ class ModelConfig:
         for name in ("tie_embeddings", "scan_layers"):
             if not isinstance(getattr(self, name), bool):
                 self._fail(name, "must be True or False")
+        self._check_stages()
+
+    def _check_stages(self) -> None:
+        """Normalises stages to ((start, ((key, value), ...)), ...) (hashable) and checks that
+        each names run-time settings whose values the settings' own checks accept."""
+        stages = self.stages
+        if not isinstance(stages, (list, tuple)):
+            self._fail("stages", "must be a tuple of (start_step, {run-time key: value}) pairs")
+        allowed = self.runtime_settings()
+        out, previous = [], 0
+        for i, stage in enumerate(stages):
+            ok = isinstance(stage, (list, tuple)) and len(stage) == 2
+            start, settings = stage if ok else (None, None)
+            if isinstance(settings, (list, tuple)) and all(
+                    isinstance(kv, (list, tuple)) and len(kv) == 2 for kv in settings):
+                settings = dict(settings)  # the pairs config.json holds
+            if not (ok and isinstance(start, int) and not isinstance(start, bool)
+                    and start > previous and isinstance(settings, Mapping) and settings):
+                raise ValueError(f"ModelConfig.stages[{i}]={stage!r}: must be (start_step, "
+                                 "{run-time key: value, ...}) with start steps > 0 and increasing "
+                                 f"(the previous starts at {previous}), e.g. (700, "
+                                 "{'msa.memory_negatives': 1})")
+            bad = sorted(k for k in settings if k not in allowed)
+            if bad:
+                raise ValueError(f"ModelConfig.stages[{i}]: {bad} are not run-time settings of "
+                                 "this model (a stage cannot change what the parameters are); "
+                                 f"run-time settings: {sorted(allowed)}")
+            out.append((start, tuple(sorted(settings.items()))))
+            previous = start
+        object.__setattr__(self, "stages", tuple(out))
+        for i in range(len(out)):
+            try:
+                self.at_step(out[i][0])
+            except ValueError as e:
+                raise ValueError(f"ModelConfig.stages[{i}]: {e}") from e
+
+    def runtime_settings(self) -> frozenset[str]:
+        """Dotted keys of this config's run-time fields ("remat", "msa.memory_negatives", ...),
+        the ones model.stages may change; stages itself is not one of them."""
+        keys = {f.name for f in dataclasses.fields(self) if is_runtime(f)} - {"stages"}
+        for name, component in self.components.items():
+            keys |= {f"{name}.{f.name}" for f in dataclasses.fields(component) if is_runtime(f)}
+        return frozenset(keys)
+
+    def stage_start(self, step: int) -> int:
+        """The start step of the stage in force at state step `step` (0: none yet)."""
+        return max([s for s, _ in self.stages if step >= s], default=0)
+
+    def at_step(self, step: int) -> "ModelConfig":
+        """This config with the settings of every stage started by state step `step` applied, in
+        order, and no stages: the model the trainer runs at that step."""
+        top: dict[str, Any] = {}
+        nested: dict[str, dict[str, Any]] = {}
+        for start, settings in self.stages:
+            if step >= start:
+                for key, value in settings:
+                    head, _, tail = key.partition(".")
+                    if tail:
+                        nested.setdefault(head, {})[tail] = value
+                    else:
+                        top[key] = value
+        parts = {head: dataclasses.replace(self.components[head], **values)
+                 for head, values in nested.items()}
+        return dataclasses.replace(self, stages=(), **top, **parts)
 
     # Derived sizes ---------------------------------------------------------------------------
     @property

@@ -99,6 +99,29 @@ def test_inconsistent_combinations_fail_before_compiling():
     assert staged.optim.loss_schedule() == ((0, 0.1, 1.0), (400, 1.0, 0.1))
 
 
+def test_model_stages_parse_validate_and_round_trip():
+    """model.stages from the command line: the settings of a stage apply from its step on, on top
+    of the earlier ones; only run-time settings may change, with values their checks accept; the
+    config survives config.json."""
+    msa = ["model.mixers=msa", "data.sources=synthetic:msa_niah:query_offset=16"]
+    cfg = apply_overrides(Config(), msa + [
+        "model.stages=[[700, {msa.memory_negatives: 1}], [900, {remat: full}]]"])
+    m = cfg.model
+    assert m.stages == ((700, (("msa.memory_negatives", 1),)), (900, (("remat", "full"),)))
+    assert [m.stage_start(s) for s in (0, 699, 700, 2000)] == [0, 0, 700, 900]
+    late = m.at_step(900)
+    assert (late.msa.memory_negatives, late.remat, late.stages) == (1, "full", ())
+    assert (m.at_step(0).msa.memory_negatives, m.at_step(0).remat) == (0, "none")
+    assert from_dict(json.loads(json.dumps(to_dict(cfg)))) == cfg
+    with pytest.raises(ValueError, match=r"stages\[0\].*msa.top_k.*not run-time settings"):
+        apply_overrides(Config(), msa + ["model.stages=[[700, {msa.top_k: 4}]]"])
+    with pytest.raises(ValueError, match=r"stages\[0\].*memory_negatives=-1"):
+        apply_overrides(Config(), msa + ["model.stages=[[700, {msa.memory_negatives: -1}]]"])
+    with pytest.raises(ValueError, match=r"stages\[1\].*increasing"):
+        apply_overrides(Config(), msa + ["model.stages=[[700, {remat: full}], [700, {remat: "
+                                         "none}]]"])
+
+
 def test_yaml_preset(tmp_path):
     p = tmp_path / "small.yaml"
     p.write_text("model:\n  d_model: 128\n  n_layers: 2\nrun:\n  steps: 7\n")

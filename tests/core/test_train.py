@@ -87,6 +87,27 @@ def test_staged_mixture_resumes_across_its_boundary(tmp_path):
     assert (saved["batches"], saved["stage"]) == (6, 1), saved
 
 
+def test_model_stages_switch_run_time_settings_at_their_step(tmp_path, capsys):
+    """model.stages: the compute dtype turns bfloat16 after step 4. Steps 1-4 equal a float32
+    run's, steps 5-8 a continuation of its step-4 checkpoint run in bfloat16 (and not the float32
+    run's), and a run stopped at 6 resumes inside the stage and matches the uninterrupted one."""
+    common = ["run.steps=8", "run.log_every=1", "checkpoint.every=0"]
+    staged = [*common, "model.stages=[[4, {dtype: bfloat16}]]"]
+    full = losses(train(tiny(tmp_path / "a", *staged)))
+    assert "model stages: from step 5: dtype='bfloat16'" in capsys.readouterr().out
+    plain = train(tiny(tmp_path / "b", *common), stop_after=4, quiet=True)
+    step4 = Path(plain["run_dir"]) / "checkpoints" / "4"
+    cont = losses(train(tiny(tmp_path / "c", *common, "model.dtype=bfloat16",
+                             f"checkpoint.initialize_from={step4}"), quiet=True))
+    assert all(full[k] == losses(plain)[k] for k in range(1, 5)), (full, losses(plain))
+    assert all(full[k] == cont[k] for k in range(5, 9)), (full, cont)
+    f32 = losses(train(tiny(tmp_path / "b", *common), quiet=True))  # plain, resumed to 8
+    assert all(full[k] != f32[k] for k in range(5, 9)), (full, f32)
+    part = losses(train(tiny(tmp_path / "d", *staged), stop_after=6, quiet=True))
+    rest = losses(train(tiny(tmp_path / "d", *staged), quiet=True))
+    assert {**part, **rest} == full, ({**part, **rest}, full)
+
+
 def test_initialize_from_goes_on_from_another_runs_checkpoint(tmp_path, capsys):
     """checkpoint.initialize_from: a new run takes another run's state at its step (the data stream
     too) and goes on exactly as that run would have; a model setting that keeps the state's shapes
@@ -177,8 +198,8 @@ def test_host_keeps_at_most_two_steps_in_flight(tmp_path, monkeypatch):
     outputs, checked = [], []
     real_steps, real_next = train_mod.Trainer.compiled_steps, train_mod._Prefetcher.next
 
-    def compiled_steps(self):
-        jtrain, jeval = real_steps(self)
+    def compiled_steps(self, step=0):
+        jtrain, jeval = real_steps(self, step)
 
         def recorded(state, batch):
             state, metrics = jtrain(state, batch)
