@@ -21,7 +21,8 @@ greedy accuracy given the true prefix (teacher forced), the share of queries who
 document is each routing layer's first choice (recall@1) and among its top-k, the share that some
 routing layer brought into memory and exact match / token accuracy over those alone (the reading,
 apart from the routing), how often a wrong first choice holds a key that shares a word with the
-needle's (near_misses: the routing confusing "bold-river" with "bold-stone"), encoding
+needle's (near_misses: the routing confusing "bold-river" with "bold-stone") or is as long as the
+needle's (position taken for content), encoding
 throughput (tokens/s of that append), prefill time of one query (routing over the whole bank) and
 decode time per token (which the bank does not touch), bank bytes per memory token, and device
 bytes of the bank. The JSON also holds each answer position's token accuracy (first digit ...
@@ -129,25 +130,38 @@ def _shares_word(a: str | None, b: str) -> bool:
     return a is not None and a != b and bool(set(a.split("-")) & set(b.split("-")))
 
 
+def _same_length(a: str | None, b: str) -> bool:
+    """Whether key a (None for plain haystack) is another key of key b's length in characters:
+    with the byte tokenizer its fact's value then sits at the needle value's positions."""
+    return a is not None and a != b and len(a) == len(b)
+
+
 def near_misses(choices: dict[Any, list[list[int]]], needles, doc_keys: list, n_docs: int
                 ) -> dict[str, Any]:
     """Which wrong documents the routing prefers: per routing layer, the share of queries whose
     first choice is a wrong document whose key shares its adjective or its noun with the needle's
     key ("word_miss"), next to that share among the first choices that are wrong ("of_wrong") and
     the share of the bank's documents with such a key ("bank"; what a random wrong choice would
-    give). choices[layer][q] = that layer's chosen documents for query q, best first."""
-    near = [sum(_shares_word(doc_keys[j], key) for j in range(n_docs)) / n_docs
-            for _, key, _ in needles]
-    out = {"bank": float(np.mean(near))}
+    give); the same for keys as long as the needle's ("length_miss", "length_of_wrong",
+    "bank_same_length": position, not content, eval/BENCHMARKS.md "MSA"). choices[layer][q] =
+    that layer's chosen documents for query q, best first."""
+    def bank_share(match):
+        return float(np.mean([sum(match(doc_keys[j], key) for j in range(n_docs)) / n_docs
+                              for _, key, _ in needles]))
+
+    out = {"bank": bank_share(_shares_word), "bank_same_length": bank_share(_same_length)}
     for layer, per_query in choices.items():
-        wrong = shared = 0
+        wrong = shared = same = 0
         for (doc, key, _), chosen in zip(needles, per_query):
             first = int(chosen[0])
             if first >= 0 and first != doc:
                 wrong += 1
                 shared += _shares_word(doc_keys[first], key)
+                same += _same_length(doc_keys[first], key)
         out[str(layer)] = {"word_miss": shared / len(needles),
-                           "of_wrong": shared / wrong if wrong else None}
+                           "of_wrong": shared / wrong if wrong else None,
+                           "length_miss": same / len(needles),
+                           "length_of_wrong": same / wrong if wrong else None}
     return out
 
 

@@ -66,15 +66,20 @@ def test_memory_cli_build_query_niah(tmp_path, capsys):
         assert by_pos == [sum(h[i] for h in hits) / 4 for i in range(len(hits[0]))]
 
 
-def test_near_misses_count_wrong_choices_that_share_a_key_word():
+def test_near_misses_count_wrong_choices_that_share_a_key_word_or_its_length():
     doc_keys = ["bold-river", "bold-stone", None, "calm-river", "dark-sky"]
     needles = [(0, "bold-river", "1"), (4, "dark-sky", "2"), (3, "calm-river", "3")]
-    # query 0: first choice 1 shares "bold"; query 1: right; query 2: 4 shares nothing
+    # query 0: first choice 1 shares "bold", same length; query 1: right; query 2: 4 shares
+    # nothing and is shorter
     choices = {2: [[1, 0], [4, -1], [4, 3]], 3: [[-1, -1], [3, 0], [0, 1]]}
     out = memory.near_misses(choices, needles, doc_keys, len(doc_keys))
-    assert out["2"] == {"word_miss": 1 / 3, "of_wrong": 1 / 2}
-    # layer 3: query 0 chose nothing; query 1's 3 ("calm-river") shares nothing with "dark-sky";
-    # query 2's 0 ("bold-river") shares "river"
-    assert out["3"] == {"word_miss": 1 / 3, "of_wrong": 1 / 2}
-    # bank share: "bold-river" has 2 such documents of 5, "dark-sky" 0, "calm-river" 1
+    assert out["2"] == {"word_miss": 1 / 3, "of_wrong": 1 / 2, "length_miss": 1 / 3,
+                        "length_of_wrong": 1 / 2}
+    # layer 3: query 0 chose nothing; query 1's 3 ("calm-river") shares nothing with "dark-sky"
+    # and is longer; query 2's 0 ("bold-river") shares "river" and its length
+    assert out["3"] == {"word_miss": 1 / 3, "of_wrong": 1 / 2, "length_miss": 1 / 3,
+                        "length_of_wrong": 1 / 2}
+    # bank share: "bold-river" has 2 such documents of 5, "dark-sky" 0, "calm-river" 1; of the
+    # same length (10 characters): 2, 0 and 2
     assert abs(out["bank"] - (2 / 5 + 0 + 1 / 5) / 3) < 1e-12
+    assert abs(out["bank_same_length"] - (2 / 5 + 0 + 2 / 5) / 3) < 1e-12
