@@ -20,7 +20,8 @@ when the greedy answer up to EOS is the value. Per size: exact match, the answer
 greedy accuracy given the true prefix (teacher forced), the share of queries whose needle
 document is each routing layer's first choice (recall@1) and among its top-k, the share that some
 routing layer brought into memory and exact match / token accuracy over those alone (the reading,
-apart from the routing), how often a wrong first choice holds a key that shares a word with the
+apart from the routing), the share whose needle is every routing layer's first choice and exact
+match over those (the reading when the routing ranked right), how often a wrong first choice holds a key that shares a word with the
 needle's (near_misses: the routing confusing "bold-river" with "bold-stone") or is as long as the
 needle's (position taken for content), encoding
 throughput (tokens/s of that append), prefill time of one query (routing over the whole bank) and
@@ -247,6 +248,8 @@ def evaluate_size(model, tokenizer, bank: mb.MemoryBank, needles, *, batch: int,
                   "choices": {str(layer): [int(d) for d in c[i]] for layer, c in choices.items()},
                   "forced_hits": forced_hits[i].astype(int).tolist()}
                  for i, (doc, key, value) in enumerate(needles)]
+    ranked = np.asarray([all(c[i][0] == doc for c in choices.values())
+                         for i, (doc, _, _) in enumerate(needles)], bool)
     # One query: the prefill (routing over every chunk) and the decode steps, timed apart.
     one = np.asarray([prompts[0]], np.int32)
     length = np.asarray([one.shape[1]], np.int32)
@@ -271,6 +274,10 @@ def evaluate_size(model, tokenizer, bank: mb.MemoryBank, needles, *, batch: int,
             "exact_match_in_memory": (float(right[in_memory].mean()) if in_memory.any()
                                       else None),
             "answer_token_acc_in_memory": (mem_hits / mem_count if mem_count else None),
+            # The reading when the routing ranked right: the needle first in every routing layer.
+            "needle_first_everywhere": float(ranked.mean()),
+            "exact_match_first_everywhere": (float(right[ranked].mean()) if ranked.any()
+                                             else None),
             # where the answers go wrong: each answer token's accuracy (teacher forced, EOS last)
             "token_acc_by_position": _accuracy_by_position(forced_hits),
             "token_acc_by_position_in_memory": _accuracy_by_position(in_mem_hits),
@@ -325,7 +332,7 @@ def markdown(result: dict[str, Any]) -> str:
         return "-" if v is None else f"{100 * v:.1f}%"
 
     head = ("| bank | docs | exact match | answer token acc | needle in memory | exact match / "
-            "token acc with it | " + " | ".join(
+            "token acc with it | needle first everywhere / exact match then | " + " | ".join(
                 f"needle first / in top-{result['top_k']}, layer {k}" for k in layers)
             + " | encode tok/s | prefill s | decode ms/token | bytes/token |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -335,7 +342,9 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {r['size']} | {r['documents']} | {pct(r['exact_match'])} | "
                      f"{pct(r['answer_token_acc'])} | {pct(r['needle_in_memory'])} | "
                      f"{pct(r['exact_match_in_memory'])} / "
-                     f"{pct(r['answer_token_acc_in_memory'])} | " + routing
+                     f"{pct(r['answer_token_acc_in_memory'])} | "
+                     f"{pct(r['needle_first_everywhere'])} / "
+                     f"{pct(r['exact_match_first_everywhere'])} | " + routing
                      + f" | {r['encode_tokens_per_s']:,.0f} | {r['prefill_s']:.3f} | "
                      f"{1000 * r['decode_s_per_token']:.2f} | {r['bank_bytes_per_token']:.0f} |")
     return "\n".join(lines)

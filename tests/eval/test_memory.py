@@ -49,11 +49,15 @@ def test_memory_cli_build_query_niah(tmp_path, capsys):
         # One routing layer: "in memory" is its top-k; the in-memory scores cover those queries.
         assert row["needle_in_memory"] == row["recall_topk"]["1"]
         assert (row["exact_match_in_memory"] is None) == (row["needle_in_memory"] == 0)
-        assert set(row["near_misses"]) == {"bank", "1"}
+        assert set(row["near_misses"]) == {"bank", "bank_same_length", "1"}
         # per query: the answer, the choices and each answer token's teacher-forced hit, which
         # the aggregate columns are made of
         queries = row["per_query"]
         assert len(queries) == 4
+        ranked = [q for q in queries if all(c[0] == q["doc"] for c in q["choices"].values())]
+        assert row["needle_first_everywhere"] == len(ranked) / len(queries)
+        assert row["exact_match_first_everywhere"] == (
+            sum(q["exact"] for q in ranked) / len(ranked) if ranked else None)
         assert row["exact_match"] == sum(q["exact"] for q in queries) / 4
         assert row["needle_in_memory"] == sum(q["in_memory"] for q in queries) / 4
         for q in queries:
