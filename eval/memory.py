@@ -21,9 +21,9 @@ greedy accuracy given the true prefix (teacher forced), the share of queries who
 document is each routing layer's first choice (recall@1) and among its top-k, the share that some
 routing layer brought into memory and exact match / token accuracy over those alone (the reading,
 apart from the routing), the share whose needle is every routing layer's first choice and exact
-match over those (the reading when the routing ranked right), how often a wrong first choice holds a key that shares a word with the
-needle's (near_misses: the routing confusing "bold-river" with "bold-stone") or is as long as the
-needle's (position taken for content), encoding
+match over those (the reading when the routing ranked right), how often a wrong first choice
+holds a key that shares a word with the needle's (near_misses: the routing confusing "bold-river"
+with "bold-stone") or is as long as the needle's (position taken for content), encoding
 throughput (tokens/s of that append), prefill time of one query (routing over the whole bank) and
 decode time per token (which the bank does not touch), bank bytes per memory token, and device
 bytes of the bank. The JSON also holds each answer position's token accuracy (first digit ...
