@@ -20,9 +20,8 @@ Diag(exp(G_t - G_j)):
     S_t^T x = S0^T (exp(G_t) x) + sum_j u_j (k~_j . exp(G_t - G_j) x)
 
 so both reads of a step (u_t with x = k_t at G_t, o_t with x = q_t at G_t after appending record t)
-are the boundary state read once (`read_arrays`: s * (Q^T (c * y)) + comps, Q converted to float32
-a tile of rows at a time; pallas_gpu.read and pallas_tpu.read read it in registers; none forms a
-dequantized [K,V] copy) plus P small dot products. After the
+are the boundary state read once (`read_arrays`: s * (Q^T (c * y)) + comps; pallas_gpu.read and
+pallas_tpu.read do it without any dequantized [K,V] copy) plus P small dot products. After the
 P-th record of a window the state is materialised once, re-quantized (quantize.encode_boundary)
 and the records are cleared. With fmt "none" this is the plain recurrence reassociated: equal to
 it to float32 rounding.
@@ -94,35 +93,16 @@ def materialize(state: dict) -> jax.Array:
 READ_KEYS = ("q", "scale", "smooth", "comp_k", "comp_u", "rec_k", "rec_u", "rec_g")
 
 
-_ROW_TILE = 16  # rows of a quantized boundary state converted to float32 at a time (_qt_dot)
-
-
-def _qt_dot(q: jax.Array, w: jax.Array) -> jax.Array:
-    """Q^T w [B,HV,V] for Q [B,HV,K,V] in its storage dtype and w [B,HV,K] float32, converting
-    Q to float32 _ROW_TILE rows at a time inside a loop. Converting it whole made XLA:CPU write
-    a float32 copy of the state for every read (hoisted into the previous step's re-quantization
-    branch): 4x the int8 bytes, the traffic quantizing is meant to save."""
-    f32 = jnp.float32
-    K = q.shape[2]
-    if q.dtype == f32 or K % _ROW_TILE or K == _ROW_TILE:
-        return jnp.einsum("bhkv,bhk->bhv", q.astype(f32), w, precision=_HI)
-
-    def tile(i, acc):
-        rows = jax.lax.dynamic_slice_in_dim(q, i * _ROW_TILE, _ROW_TILE, axis=2).astype(f32)
-        wi = jax.lax.dynamic_slice_in_dim(w, i * _ROW_TILE, _ROW_TILE, axis=2)
-        return acc + jnp.einsum("bhkv,bhk->bhv", rows, wi, precision=_HI)
-
-    return jax.lax.fori_loop(0, K // _ROW_TILE, tile, jnp.zeros(q.shape[:2] + q.shape[3:], f32))
-
-
 def read_arrays(q, scale, smooth, comp_k, comp_u, rec_k, rec_u, rec_g, G, x, valid):
     """S^T x [B,HV,V] from the state's arrays (READ_KEYS order), the cumulative log-decay
     G [B,HV,Dg] of the reading step, x [B,HV,K] and valid [B,HV,P] (1.0 = record held): the
-    boundary read as s * (Q^T (c * y)) + compensators with y = exp(G) x (no dequantized [K,V]
-    copy: Q is converted a tile of rows at a time, _qt_dot), plus the records. The contract of
-    pallas_gpu.read."""
+    boundary read as s * (Q^T (c * y)) + compensators with y = exp(G) x, plus the records. The
+    contract of pallas_gpu.read. On XLA:CPU the conversion of Q is a float32 temporary of the
+    whole state (hoisted into the previous step's re-quantization branch); converting 16 rows
+    at a time in a loop avoided it but made a batch-8 step slower (eval/BENCHMARKS.md
+    "LeapQuant", cost), so the Pallas kernels are where the int8 state is read in place."""
     y = jnp.exp(G) * x
-    qy = _qt_dot(q, smooth * y)
+    qy = jnp.einsum("bhkv,bhk->bhv", q.astype(jnp.float32), smooth * y, precision=_HI)
     c = jnp.einsum("bhrk,bhk->bhr", comp_k.astype(jnp.float32), y, precision=_HI)
     out = scale * qy + jnp.einsum("bhrv,bhr->bhv", comp_u.astype(jnp.float32), c, precision=_HI)
     w = jnp.exp(G[:, :, None, :] - rec_g) * x[:, :, None, :]               # [B,HV,P,K]
