@@ -108,13 +108,15 @@ def _bank_logits(model, device_bank, prompts, answers):
     return out, cache
 
 
-@pytest.mark.parametrize("kv_chunk", [None, 3])  # key/value chunks as the routing chunks / of 3
-def test_decode_from_bank_equals_full_forward(tmp_path, kv_chunk):
+# Key/value chunks as the routing chunks, rotated routing keys / chunks of 3, unrotated ones.
+@pytest.mark.parametrize("kv_chunk,router_rope", [(None, True), (3, False)])
+def test_decode_from_bank_equals_full_forward(tmp_path, kv_chunk, router_rope):
     """Documents encoded in rows of 16 tokens (packed otherwise than in the full row), routed
     over in one prefill of two right-padded prompts, answers decoded step by step: every query
     logit equals the training forward over [all documents ; query], and without the bank they
     differ (the memory matters)."""
-    model = _model(cfg=dataclasses.replace(CFG, msa=dataclasses.replace(MSA, kv_chunk=kv_chunk)))
+    model = _model(cfg=dataclasses.replace(CFG, msa=dataclasses.replace(
+        MSA, kv_chunk=kv_chunk, router_rope=router_rope)))
     docs = _docs()
     bank = mb.build_bank(model, docs, tmp_path / "bank", max_doc_length=16, row_len=16)
     kv = kv_chunk or 4
