@@ -29,8 +29,9 @@ Cost mode (issue 23's decode step time against float32):
     python -m aiinfra_jax.eval.bench_leapquant --cost [--batches 1,8] [--cost-heads 8]
         [--cost-dim 128] [--cost-steps 64] [--repeats 7] [--out cost.json]
 
-Per batch size, every format (none = float32 through the one-token gated_delta_rule, the model's
-decode path; int8 = LeapQuant; int8_per_step; bf16_per_step) decodes the same random GDN stream of
+Per batch size, every format (model.gated_delta.state_quant's names and specs: none = float32
+through the one-token gated_delta_rule, the model's decode path; int8 = LeapQuant; int8_per_step
+and bf16_per_step = the naive baselines) decodes the same synthetic stream (above) of
 --cost-steps tokens in one compiled lax.scan with its state donated; the median wall time of
 --repeats calls (after one that compiles) divided by the steps, and the state's in-memory bytes per
 row (window records included). All formats in one invocation: run it on a quiet machine.
@@ -91,6 +92,7 @@ from aiinfra_jax.kernels.leapquant import (LeapQuantSpec, bytes_per_element, ini
                                            leapquant_decode, materialize, stage_outlier_ratios)
 from aiinfra_jax.load import load_model
 from aiinfra_jax.models import Transformer
+from aiinfra_jax.models.attention.gated_delta import GatedDeltaConfig
 from aiinfra_jax.models.registry import get_mixer
 
 SEGMENT = 1024  # tokens per compiled decode call; checkpoints must be multiples of it
@@ -110,17 +112,17 @@ EXTRA = (
 FP32 = LeapQuantSpec(fmt="none", window=1)  # for the bytes column only
 
 
-def synthetic(seed: int, T: int, heads: int, K: int) -> tuple[jax.Array, ...]:
-    """(q, k [1,T,H,K], v [1,T,H,K], g [1,T,H], beta [1,T,H]) as the module docstring says."""
+def synthetic(seed: int, T: int, heads: int, K: int, batch: int = 1) -> tuple[jax.Array, ...]:
+    """(q, k [B,T,H,K], v [B,T,H,K], g [B,T,H], beta [B,T,H]) as the module docstring says."""
     ks = jax.random.split(jax.random.key(seed), 6)
     unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
-    q = unit(jax.random.normal(ks[0], (1, T, heads, K)))
-    k = unit(jax.random.normal(ks[1], (1, T, heads, K)))
-    v = jax.random.normal(ks[2], (1, T, heads, K))
+    q = unit(jax.random.normal(ks[0], (batch, T, heads, K)))
+    k = unit(jax.random.normal(ks[1], (batch, T, heads, K)))
+    v = jax.random.normal(ks[2], (batch, T, heads, K))
     rate = jnp.exp(jax.random.uniform(ks[3], (heads,), minval=np.log(1e-4),
                                       maxval=np.log(3e-2)))
-    g = -rate * jnp.exp(0.3 * jax.random.normal(ks[4], (1, T, heads)))
-    beta = jax.nn.sigmoid(jax.random.normal(ks[5], (1, T, heads)))
+    g = -rate * jnp.exp(0.3 * jax.random.normal(ks[4], (batch, T, heads)))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[5], (batch, T, heads)))
     return q, k, v, g, beta
 
 
@@ -224,28 +226,15 @@ def run_stream(name: str, stream, checkpoints, variants) -> None:
 COST_FORMATS = ("none", "int8", "int8_per_step", "bf16_per_step")
 
 
-def _cost_spec(fmt: str) -> LeapQuantSpec | None:
-    """The storage spec of a --cost format name (model.gated_delta.state_quant's spelling)."""
-    if fmt == "none":
-        return None
-    base, per_step = (fmt[:-len("_per_step")], True) if fmt.endswith("_per_step") else (fmt, False)
-    return LeapQuantSpec(fmt=base, window=1) if per_step else LeapQuantSpec(fmt=base)
-
-
-def decode_cost(batch: int, heads: int, K: int, V: int, steps: int, repeats: int,
+def decode_cost(batch: int, heads: int, K: int, steps: int, repeats: int,
                 formats=COST_FORMATS, seed: int = 0) -> list[dict]:
     """Median wall time per decode step of `steps` tokens decoded one at a time (one compiled
-    lax.scan, the state donated), per state format, all in this process on the same inputs.
+    lax.scan, the state donated), per state format (model.gated_delta.state_quant's names and
+    specs, GatedDeltaConfig.state_spec), all in this process on the same synthetic stream (K = V).
     "none" steps the float32 state with the one-token gated_delta_rule (the model's decode path);
     the others run leapquant_decode without an `active` mask, as generate's decode step calls
-    it. GDN decays (scalar per head)."""
-    ks = jax.random.split(jax.random.key(seed), 5)
-    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
-    q = unit(jax.random.normal(ks[0], (batch, steps, heads, K)))
-    k = unit(jax.random.normal(ks[1], (batch, steps, heads, K)))
-    v = jax.random.normal(ks[2], (batch, steps, heads, V))
-    g = -0.01 * jnp.exp(0.3 * jax.random.normal(ks[3], (batch, steps, heads)))
-    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (batch, steps, heads)))
+    it."""
+    q, k, v, g, beta = synthetic(seed, steps, heads, K, batch)
     scale = K ** -0.5
 
     def fp32_run(S, q, k, v, g, beta):
@@ -258,12 +247,12 @@ def decode_cost(batch: int, heads: int, K: int, V: int, steps: int, repeats: int
 
     rows = []
     for fmt in formats:
-        spec = _cost_spec(fmt)
+        spec = GatedDeltaConfig(state_quant=None if fmt == "none" else fmt).state_spec()
         if spec is None:
-            state = jnp.zeros((batch, heads, K, V), jnp.float32)
+            state = jnp.zeros((batch, heads, K, K), jnp.float32)
             fn = jax.jit(fp32_run, donate_argnums=0)
         else:
-            state = init_state(spec, batch, heads, K, V, decay_dim=1)
+            state = init_state(spec, batch, heads, K, K, decay_dim=1)
             fn = jax.jit(lambda s, *a, spec=spec: leapquant_decode(
                 *a, s, spec=spec, scale=scale)[::-1], donate_argnums=0)
         nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
@@ -275,7 +264,7 @@ def decode_cost(batch: int, heads: int, K: int, V: int, steps: int, repeats: int
             state, o = fn(state, q, k, v, g, beta)
             jax.block_until_ready((state, o))
             times.append(time.perf_counter() - start)
-        rows.append({"format": fmt, "batch": batch, "heads": heads, "K": K, "V": V,
+        rows.append({"format": fmt, "batch": batch, "heads": heads, "K": K, "V": K,
                      "us_per_step": float(np.median(times)) / steps * 1e6,
                      "us_min": float(np.min(times)) / steps * 1e6,
                      "state_bytes_per_row": nbytes // batch})
@@ -294,8 +283,8 @@ def cost_main(a) -> int:
     print("|---|---|---:|---:|---:|---:|")
     out = []
     for batch in (int(b) for b in a.batches.split(",")):
-        rows = decode_cost(batch, a.cost_heads, a.cost_dim, a.cost_dim, a.cost_steps,
-                           a.repeats, formats, a.seed)
+        rows = decode_cost(batch, a.cost_heads, a.cost_dim, a.cost_steps, a.repeats, formats,
+                           a.seed)
         base = next((r["us_per_step"] for r in rows if r["format"] == "none"), None)
         for r in rows:
             ratio = "-" if base is None else f"{r['us_per_step'] / base:.2f}x"
