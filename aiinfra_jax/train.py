@@ -124,7 +124,6 @@ def _train_in(trainer: Trainer, hooks, procs: _Processes, stored: Config, run_di
             f"from step {start + 1}: " + ", ".join(f"{k}={v!r}" for k, v in settings)
             for start, settings in cfg.model.stages))
     jtrain, jeval = trainer.compiled_steps(step)
-    stage = cfg.model.stage_start(step)
     speed = _Speed.of(trainer, state, say)
 
     # Metric lines (and TensorBoard events) after the starting step were logged by an interrupted
@@ -144,8 +143,7 @@ def _train_in(trainer: Trainer, hooks, procs: _Processes, stored: Config, run_di
     try:
         with _Stop(signals=procs.count == 1) as stop:
             while step < cfg.run.steps:
-                if cfg.model.stage_start(step) != stage:  # model.stages: the next one begins
-                    stage = cfg.model.stage_start(step)
+                if cfg.model.stages:  # the stage's steps (compiled once per stage, then cached)
                     jtrain, jeval = trainer.compiled_steps(step)
                 batch, data_state_after = interval.next_batch(prefetch)
                 state, metrics = jtrain(state, trainer.shard(batch))
