@@ -10,7 +10,9 @@ and timings against cuDNN and the XLA path, forward and forward+backward, in one
                                              meaningless; tests/eval/test_bench_gpu.py runs this)
     python -m aiinfra_jax.eval.bench_gpu --lower-only           on a CPU: every timing row of the
                                              real configuration built and lowered for cuda (the
-                                             native kernels through Triton lowering), nothing run
+                                             native kernels through Triton lowering), each Triton
+                                             module through the MLIR verifier (the GPU's Triton
+                                             compiler's first check), nothing run
 
 It imports JAX, NumPy and this library's kernels only (never grain, datasets or the trainer), so
 it runs where nothing else of the project is installed.
@@ -100,6 +102,7 @@ import numpy as np
 from aiinfra_jax.eval.bench_kernels import (CMP_LEN, CMP_STRIDE, attended_keys, nsa_selection,
                                             parse_lengths)
 from aiinfra_jax.eval.gpu_parity import errors, parity_cases
+from aiinfra_jax.kernels._testing import TRITON_CALL, verified_triton_modules
 from aiinfra_jax.kernels.block_selection import select_blocks
 from aiinfra_jax.kernels.depth_attention import depth_attention
 from aiinfra_jax.kernels.depth_attention.cost import cost_estimate as depth_cost
@@ -268,7 +271,7 @@ def run_parity(run: Run) -> None:
         run.parity.append(row)
         rel = "-" if row["rel_err"] is None else f"{row['rel_err']:.2e}"
         print(f"  {'pass' if row['pass'] else 'FAIL'} {case.kernel:<17} {case.name:<22} "
-              f"{case.dtype:<9} worst {row['worst']:<14} rel {rel} tol {case.tol:.0e} "
+              f"{case.dtype:<9} worst {row['worst']:<14} rel {rel} tol {_fmt_tol(case.tol)} "
               f"({row['seconds']:.1f} s)", flush=True)
         run.write()
 
@@ -477,15 +480,19 @@ def time_bench(run: Run, b: Bench, T: int, mode: str) -> None:
             fn, args = _fwd_bwd(b.fn, b.n_diff), (*b.inputs, ct)
         if a.lower_only:
             t0 = time.perf_counter()
-            with _abstract_gpu(run):
+            with _abstract_gpu(run), verified_triton_modules() as verified:
                 text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
             row.update({"lowered_s": time.perf_counter() - t0,
-                        "triton_calls": text.count("custom_call @__gpu$xla.gpu.triton")})
+                        "triton_calls": text.count(f"custom_call @{TRITON_CALL}"),
+                        "triton_verified": len(verified)})
             run.compile_s[key] = row["lowered_s"]
             if b.impl == "pallas_gpu" and not row["triton_calls"]:
                 row["error"] = "pallas_gpu row lowered without a Triton kernel call"
+            elif row["triton_verified"] != row["triton_calls"]:
+                row["error"] = (f"{row['triton_calls']} Triton call(s), "
+                                f"{row['triton_verified']} module(s) verified")
             print(f"  {what:<36} lowered for cuda in {row['lowered_s']:.1f} s: "
-                  f"{row['triton_calls']} Triton kernel call(s)", flush=True)
+                  f"{row['triton_calls']} Triton kernel call(s), modules verified", flush=True)
             run.timing.append(row)
             run.write()
             return
@@ -621,7 +628,7 @@ def write_outputs(run: Run) -> None:
         for r in run.parity:
             lines.append(f"| {r['kernel']} | {r['case']} | {r['dtype']} | {r['shape']} | "
                          f"{r['worst']} | {_fmt_e(r['rel_err'])} | {_fmt_e(r['max_abs'])} | "
-                         f"{_fmt_e(r['tol'], 0)} | {'pass' if r['pass'] else '**FAIL**'} | "
+                         f"{_fmt_tol(r['tol'])} | {'pass' if r['pass'] else '**FAIL**'} | "
                          f"{r['details']} |")
     if run.timing or "timing" in a.sections:
         stand_in = any(r.get("stand_in") for r in run.timing)
@@ -641,7 +648,8 @@ def write_outputs(run: Run) -> None:
             if "lowered_s" in r:
                 lines.append(f"| {r['op']} | {r['impl']} | {r['T']} | {r['mode']} | lowered | | "
                              f"| | | | lowered for cuda in {r['lowered_s']:.1f} s: "
-                             f"{r['triton_calls']} Triton kernel call(s) |")
+                             f"{r['triton_calls']} Triton kernel call(s), every module "
+                             f"verified |")
                 continue
             pct = (f"{100 * r['flop_per_s'] / run.peak_flops:.1f}" if run.peak_flops else "")
             cud = f"{r['vs_cudnn']:.2f}x" if r.get("vs_cudnn") else ""
@@ -677,6 +685,11 @@ def _pallas_mode(run: Run) -> str:
     if run.args.lower_only:
         return "native kernels lowered for cuda only (--lower-only: nothing ran)"
     return "interpret mode (timings meaningless)" if run.pallas["interpret"] else "native"
+
+
+def _fmt_tol(x) -> str:
+    """A tolerance as written in the tests (1.5e-2 printed with one digit read "1e-02")."""
+    return "-" if x is None else f"{x:.2g}"
 
 
 def _fmt_e(x, digits=2) -> str:

@@ -6,6 +6,9 @@ fla-org's kernel tests (rmse / rms). The oracle is always the op's float32 refer
 
 from __future__ import annotations
 
+import contextlib
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -32,6 +35,54 @@ def assert_close(actual, expected, dtype, what: str = "output") -> None:
     err = rel_err(actual, expected)
     tol = tolerance(dtype)
     assert err <= tol, f"{what}: relative error {err:.3e} > tolerance {tol:.1e} ({jnp.dtype(dtype).name})"
+
+
+TRITON_CALL = "__gpu$xla.gpu.triton"   # the custom call a Pallas Triton kernel lowers to
+
+
+@contextlib.contextmanager
+def verified_triton_modules():
+    """Runs the MLIR verifier on every Triton module that Pallas builds inside the block and
+    yields the list of verified kernels (their count grows as lowering goes on).
+
+    Lowering for cuda on a CPU stops at the serialized Triton module; the GPU's Triton compiler
+    verifies it first thing, so a module that lowers here can still fail there ("Failed to parse
+    Triton module": a JAX 0.10-0.11 lowering bug made an i1 loop bound out of a scalar jnp.where
+    of two literals in block_selection, seen on the first H200 run). Verifying here catches that
+    class of failure on the CPU. Uses JAX's private Triton lowering module (there is no public
+    hook): if a JAX moves it, this raises ImportError / AttributeError naming it, never passes
+    silently."""
+    from jax._src.pallas.triton import lowering as triton_lowering
+    lower = triton_lowering.lower_jaxpr_to_triton_module
+    verified: list = []
+
+    def lower_and_verify(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        op = result.module.operation
+        if op.verify() is False:    # recent MLIR bindings raise MLIRError themselves
+            raise RuntimeError("a Pallas Triton module fails MLIR verification:\n"
+                               + op.get_asm(print_generic_op_form=True)[:4000])
+        verified.append(op)
+        return result
+
+    triton_lowering.lower_jaxpr_to_triton_module = lower_and_verify
+    try:
+        yield verified
+    finally:
+        triton_lowering.lower_jaxpr_to_triton_module = lower
+
+
+def lower_text(fn, platform: str, *args) -> str:
+    """jax.jit(fn) traced on args (arrays or ShapeDtypeStructs) and lowered for `platform`, as
+    StableHLO text. For "cuda", every Triton module on the way is verified
+    (verified_triton_modules) and their number must equal the Triton calls in the text."""
+    if platform != "cuda":
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    with verified_triton_modules() as verified:
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    calls = text.count(TRITON_CALL)
+    assert len(verified) == calls, f"{calls} Triton call(s) but {len(verified)} module(s) verified"
+    return text
 
 
 def depth_attention_inputs(rng: np.random.Generator, *, Q, S, B, T, D, dtype, n_valid):

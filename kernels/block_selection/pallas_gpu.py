@@ -58,7 +58,9 @@ def _kernel(off_ref, q_ref, k_ref, lse_ref, start_ref, out_ref, *, remap: Remap,
         return acc + jnp.where(ok, jnp.exp(jnp.where(ok, s - lse[:, None], 0.0)), 0.0)
 
     # Skip the tile when its first block starts after the last query of the tile.
-    n_heads = jnp.where(j0 * remap.block_size <= i * bq + bq - 1 + off, g, 0)
+    # (Arithmetic, not jnp.where(cond, g, 0): the Triton lowering of JAX 0.10-0.11 turns that
+    # scalar select of two literals into an i1 select, and the loop bound fails to verify.)
+    n_heads = g * (j0 * remap.block_size <= i * bq + bq - 1 + off).astype(jnp.int32)
     p = lax.fori_loop(0, n_heads, head, jnp.zeros((bq, nt), jnp.float32))
     w = remap.weight(tok[:, None], (j0 + jnp.arange(nbt, dtype=jnp.int32))[None, :])
     out_ref[...] = _dot(p, w)

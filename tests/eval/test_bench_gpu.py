@@ -99,7 +99,7 @@ def test_tiny_interpret_run_from_a_bare_checkout_without_grain(tmp_path):
 
 def test_every_timing_row_lowers_for_cuda(tmp_path):
     """--lower-only: every op's rows (native Pallas kernels, not interpret) lower for cuda with
-    their Triton kernels; cuDNN needs a GPU to trace, so its rows are skipped with the reason."""
+    their Triton kernels, each module passing the MLIR verifier; cuDNN needs a GPU to trace, so its rows are skipped with the reason."""
     out = tmp_path / "lowered.md"
     assert bench_gpu.main(["--lower-only", "--tiny", "--out", str(out)]) == 0
     data = json.loads(out.with_suffix(".json").read_text())
@@ -108,7 +108,9 @@ def test_every_timing_row_lowers_for_cuda(tmp_path):
     for op in bench_gpu.TIMED_OPS:
         modes = ("fwd",) if op == "select" else ("fwd", "fwd+bwd")
         for mode in modes:
-            assert rows[(op, "pallas_gpu", mode)]["triton_calls"] >= 1, (op, mode)
+            row = rows[(op, "pallas_gpu", mode)]
+            assert row["triton_calls"] >= 1, (op, mode)
+            assert row["triton_verified"] == row["triton_calls"], (op, mode)
             assert rows[(op, "xla", mode)]["triton_calls"] == 0, (op, mode)
     skipped = [s["what"] for s in data["skipped"]]
     assert len(skipped) == 4 and all("cudnn" in s for s in skipped)

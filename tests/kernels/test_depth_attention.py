@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from aiinfra_jax.kernels import _testing
+from aiinfra_jax.kernels._testing import lower_text as _lowered
 from aiinfra_jax.kernels.depth_attention import (block_depth_attention,
                                                  block_depth_attention_reference, depth_attention,
                                                  depth_attention_reference, merge_partial,
@@ -171,8 +172,8 @@ def test_kernels_lower(platform, backward, shape):
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(lse)
 
     fn = jax.grad(loss, argnums=(0, 1)) if backward else attend
-    text = jax.jit(fn).trace(sd((Q, D), jnp.float32), sd((S, B, T, D), dtype),
-                             sd((), jnp.int32)).lower(lowering_platforms=(platform,)).as_text()
+    text = _lowered(fn, platform, sd((Q, D), jnp.float32), sd((S, B, T, D), dtype),
+                    sd((), jnp.int32))
     calls = [c for c in re.findall(r"custom_call @(\w+)", text)
              if c in _CUSTOM_CALL.values()]
     want = 0 if platform == "cpu" else 2 if backward else 1
@@ -185,10 +186,6 @@ def test_kernels_lower(platform, backward, shape):
 def _small():
     q, src, _, _ = _inputs(_seed(), Q=1, S=3, B=1, T=2, D=16, dtype=jnp.float32, n_valid=3)
     return q, src
-
-
-def _lowered(fn, platform, *args) -> str:
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
 
 def test_default_implementation_and_explicit_choices():

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from aiinfra_jax.kernels._testing import lower_text
 from aiinfra_jax.kernels.block_selection import select_blocks
 from aiinfra_jax.kernels.flash_attention import AttentionMask, flash_attention
 
@@ -36,7 +37,7 @@ SHAPES = {
 
 
 def _lower(fn, args, platform):
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    return lower_text(fn, platform, *args)
 
 
 def _flash_args(shape):

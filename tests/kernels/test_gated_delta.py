@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from aiinfra_jax.kernels import _testing
+from aiinfra_jax.kernels._testing import lower_text as _lowered
 from aiinfra_jax.kernels.gated_delta import gated_delta_rule, gated_delta_rule_reference
 from aiinfra_jax.kernels.gated_delta import pallas_gpu, pallas_tpu, xla
 
@@ -226,10 +227,6 @@ _LOWER_SHAPES = {  # (B, T, H, HV, K, V, kda)
     "small_kda": (2, 100, 1, 2, 32, 16, True),
     "bench_gdn_16k": (1, 16384, 16, 32, 128, 128, False),
 }
-
-
-def _lowered(fn, platform, *args) -> str:
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
 
 @pytest.mark.parametrize("shape", list(_LOWER_SHAPES))

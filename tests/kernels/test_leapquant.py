@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from aiinfra_jax.kernels._testing import assert_close, rel_err
+from aiinfra_jax.kernels._testing import assert_close, lower_text, rel_err
 from aiinfra_jax.kernels.gated_delta import gated_delta_rule_reference
 from aiinfra_jax.kernels.leapquant import (LeapQuantSpec, bytes_per_element, decode_boundary,
                                            dequantize_columns, encode_boundary, encode_state,
@@ -265,8 +265,7 @@ def test_decode_lowers_for_accelerators(platform, kda):
     args = (S((B, 1, H, K), jnp.bfloat16), S((B, 1, H, K), jnp.bfloat16),
             S((B, 1, HV, K), jnp.bfloat16), S((B, 1, HV) + ((K,) if kda else ()), jnp.float32),
             S((B, 1, HV), jnp.float32))
-    text = jax.jit(lambda s, *a: leapquant_decode(*a, s, spec=spec)).trace(state, *args).lower(
-        lowering_platforms=(platform,)).as_text()
+    text = lower_text(lambda s, *a: leapquant_decode(*a, s, spec=spec), platform, state, *args)
     if platform == "cuda":
         assert "__gpu" in text and "leapquant_read" in text
     else:

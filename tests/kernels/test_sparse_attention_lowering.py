@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from aiinfra_jax.kernels._testing import lower_text
 from aiinfra_jax.kernels.sparse_attention import sparse_attention
 
 # lowering platform -> the custom call its Pallas kernels become
@@ -52,8 +53,7 @@ def _lower(platform, shape, backward):
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
 
     fn = jax.grad(loss, argnums=(0, 1, 2)) if backward else attend
-    lowered = jax.jit(fn).trace(*args, *extra).lower(lowering_platforms=(platform,))
-    return lowered.as_text()
+    return lower_text(fn, platform, *args, *extra)
 
 
 @pytest.mark.parametrize("shape", list(_SHAPES))
