@@ -3,7 +3,8 @@
 Implementations (the `implementation=` argument of every public op):
   None          the best available for the platform the function is LOWERED for: "pallas_gpu"
                 when lowered for cuda or rocm, "pallas_tpu" for tpu, "xla" for every other platform
-                (cpu). An automatically chosen Pallas kernel that cannot take the given shapes
+                (cpu); an op whose Pallas kernel measured slower than its XLA path on a platform
+                picks "xla" there (select's `automatic`; gated_delta on cuda). An automatically chosen Pallas kernel that cannot take the given shapes
                 gives way to "xla" on its platform, and says so in the log (a warning, emitted when
                 the function is lowered for that platform).
   "xla"         the chunked plain-JAX path; runs on every platform.
@@ -93,11 +94,15 @@ def check_name(op: str, implementation: str | None) -> None:
 
 
 def select(op: str, implementation: str | None, *, interpret: bool = False,
-           unsupported: Callable[[str], str | None] = lambda impl: None) -> Selection:
+           unsupported: Callable[[str], str | None] = lambda impl: None,
+           automatic: tuple[str, ...] = ("pallas_gpu", "pallas_tpu")) -> Selection:
     """The Selection for one call of `op` (see the module docstring for the rule).
 
     unsupported(impl) -> None if Pallas implementation `impl` takes this call's shapes, else the
-    reason it cannot. Reads the context mesh (kernels/_sharding.py) for the context-parallel check.
+    reason it cannot. automatic: the Pallas implementations implementation=None may choose; on
+    the platforms of any other, None means "xla" (an op whose kernel measured slower than its XLA
+    path there says so where it passes this). Reads the context mesh (kernels/_sharding.py) for
+    the context-parallel check.
     """
     check_name(op, implementation)
     if implementation == "xla":
@@ -121,8 +126,10 @@ def select(op: str, implementation: str | None, *, interpret: bool = False,
                          ((platforms, Branch(implementation)),))
     per_platform = []
     for impl in ("pallas_gpu", "pallas_tpu"):
-        reason = unsupported(impl)
-        if reason is not None:
+        reason = unsupported(impl) if impl in automatic else None
+        if impl not in automatic:
+            branch = Branch("xla")
+        elif reason is not None:
             branch = Branch("xla", warning=f"{op}: {impl} cannot run here ({reason}); using the "
                                            "XLA implementation on {platform}")
         elif blocked is not None:

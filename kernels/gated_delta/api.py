@@ -14,7 +14,11 @@ which is what the implementation choice selects:
   "xla"          a lax.scan over chunks (xla.state_pass); runs everywhere.
   "pallas_tpu"   the state pass and its backward as Mosaic kernels (pallas_tpu.py).
   "pallas_gpu"   the state pass and its backward as Triton kernels (pallas_gpu.py; C, K, V
-                 powers of two >= 16).
+                 powers of two >= 16). Explicit only: implementation=None picks "xla" on cuda
+                 (AUTOMATIC below), because on the first GPU run (an H200, JAX 0.11.2,
+                 eval/BENCHMARKS.md "GPU") these kernels were 4-7x slower than the XLA scan at
+                 the same float32 precision (gdn, B=1, 16 heads of 128, bf16 inputs, 4K-64K:
+                 forward 13.1 vs 2.0 ms at 4K, forward+backward 536 vs 127 ms at 64K).
 The state pass is wrapped in a jax.custom_vjp whose residuals are its inputs (the prepared chunk
 operands and S0, the same for every implementation) and whose backward is the selected
 implementation's: the Pallas backward kernels (state_pass_bwd: they recompute the chunk states from
@@ -43,6 +47,9 @@ from . import pallas_gpu, pallas_tpu, xla
 from .reference import gated_delta_rule_reference
 
 OP = "gated_delta_rule"
+# The Pallas implementations implementation=None may pick (the module docstring says why not
+# pallas_gpu). pallas_tpu has not run on a TPU yet.
+AUTOMATIC = ("pallas_tpu",)
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -106,7 +113,8 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, bet
         module = pallas_gpu if impl == "pallas_gpu" else pallas_tpu
         return module.unsupported_reason(C=C, K=K, V=V)
 
-    selection = _dispatch.select(OP, implementation, interpret=interpret, unsupported=unsupported)
+    selection = _dispatch.select(OP, implementation, interpret=interpret, unsupported=unsupported,
+                                 automatic=AUTOMATIC)
     static = _Static(selection, bool(interpret),
                      _dispatch.shard_plan(OP, selection, batch=B, heads=HV))
     scale = float(K ** -0.5 if scale is None else scale)
