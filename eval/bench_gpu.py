@@ -73,14 +73,9 @@ import os
 import sys
 
 if __name__ == "__main__" and not __package__:  # run as a file: python eval/bench_gpu.py
-    # An uninstalled checkout: put the repository root first on the path (not eval/) and let the
-    # aiinfra_jax package find kernels/ and eval/ at the root (pyproject's package-dir mapping).
-    _EVAL = os.path.dirname(os.path.abspath(__file__))
-    _ROOT = os.path.dirname(_EVAL)
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _EVAL]
-    sys.path.insert(0, _ROOT)
-    import aiinfra_jax
-    aiinfra_jax.__path__.append(_ROOT)   # this checkout's kernels/ and eval/, installed or not
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # eval/, for _checkout
+    import _checkout
+    _checkout.use_this_checkout()   # the root instead of eval/ on sys.path (see there)
 
 import argparse
 import contextlib

@@ -35,6 +35,10 @@ and bf16_per_step = the naive baselines) decodes the same synthetic stream (abov
 --cost-steps tokens in one compiled lax.scan with its state donated; the median wall time of
 --repeats calls (after one that compiles) divided by the steps, and the state's in-memory bytes per
 row (window records included). All formats in one invocation: run it on a quiet machine.
+Cost mode needs neither grain nor datasets (only quality mode imports the data pipeline), so on
+the GPU machine it runs from the bare checkout with that machine's python3:
+`python3 eval/bench_leapquant.py --cost --batches 1,8,64,256` (implementation=None: the Pallas
+GPU read kernel on cuda).
 
 Quality mode (issue 23's perplexity measurement on a trained run):
 
@@ -76,6 +80,11 @@ import sys
 import time
 from pathlib import Path
 
+if __name__ == "__main__" and not __package__:  # run as a file: python3 eval/bench_leapquant.py
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # eval/, for _checkout
+    import _checkout
+    _checkout.use_this_checkout()   # the root instead of eval/ on sys.path (see there)
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -83,7 +92,6 @@ from flax import nnx
 
 from aiinfra_jax.config import load_config
 from aiinfra_jax.data import sources as sources_lib
-from aiinfra_jax.data.pipeline import Tokenize
 from aiinfra_jax.data.sources import EmbeddedCorpus
 from aiinfra_jax.data.tokenizer import load_tokenizer
 from aiinfra_jax.generate import decode_step, prefill
@@ -307,6 +315,7 @@ def validation_rows(cfg, tokenizer, docs: int, length: int) -> dict:
     """The first `docs` documents of cfg's validation split with >= length + 1 tokens, each cut to
     its first length + 1: {"tokens" [docs, length+1] int32, "weights" [docs, length+1] float32,
     "ids", "skipped_short", "truncated_from"} (see the module docstring)."""
+    from aiinfra_jax.data.pipeline import Tokenize   # here: grain only where quality mode runs
     tokenize = Tokenize(tokenizer)
     rows, weights, ids, lengths, skipped = [], [], [], [], 0
     for source in sources_lib.open_sources(cfg.data):

@@ -56,22 +56,45 @@ print("KERNELS", list(sys.modules["aiinfra_jax.kernels"].__path__))
 """
 
 
-def test_tiny_interpret_run_from_a_bare_checkout_without_grain(tmp_path):
-    out_dir = tmp_path / "out"
-    out_dir.mkdir()
-    script = str(ROOT / "eval" / "bench_gpu.py")
-    # timing: one op, forward (every op's rows, both modes, are lowered in the next test; the
-    # parity rows already run each kernel's backward)
-    argv = ["--interpret", "--tiny", "--ops", "flash", "--modes", "fwd"]
-    code = _DRIVER.format(blocked=BLOCKED, script=script, argv=argv)
+def _run_bare(script: str, argv: list[str], tmp_path: Path, out_dir: Path,
+              data_package: bool = False) -> str:
+    """Runs eval/<script> as a file from a bare checkout (_DRIVER); its stdout, after checking
+    that it exited 0 without loading grain or datasets (nor aiinfra_jax.data unless
+    data_package), and found this checkout's kernels."""
+    code = _DRIVER.format(blocked=BLOCKED, script=str(ROOT / "eval" / script), argv=argv)
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "OUT": str(out_dir), "PYTHONPATH": ""}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=tmp_path, env=env, timeout=300)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     assert "RC 0" in proc.stdout, log[-4000:]
-    assert "LOADED []" in proc.stdout, log[-4000:]      # no grain, datasets or data pipeline
+    loaded = ast.literal_eval(proc.stdout.split("LOADED ", 1)[1].split("\n", 1)[0])
+    if data_package:
+        loaded = [m for m in loaded if not m.startswith("aiinfra_jax.")]
+    assert not loaded, log[-4000:]      # no grain or datasets (no data pipeline at all)
     assert str(ROOT / "kernels") in proc.stdout.split("KERNELS", 1)[1]
+    return proc.stdout
+
+
+def test_leapquant_cost_runs_from_a_bare_checkout_without_grain(tmp_path):
+    """bench_leapquant --cost (decode step time per state format) is the GPU machine's LeapQuant
+    check too: it must not need grain (only its quality mode reads the data pipeline)."""
+    out = tmp_path / "cost.json"
+    _run_bare("bench_leapquant.py", ["--cost", "--batches", "1", "--cost-heads", "1",
+                                     "--cost-dim", "16", "--cost-steps", "4", "--repeats", "1",
+                                     "--out", str(out)], tmp_path, tmp_path, data_package=True)
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["format"] for r in rows} >= {"none", "int8"}
+    assert all(r["us_per_step"] > 0 for r in rows)
+
+
+def test_tiny_interpret_run_from_a_bare_checkout_without_grain(tmp_path):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    # timing: one op, forward (every op's rows, both modes, are lowered in the next test; the
+    # parity rows already run each kernel's backward)
+    _run_bare("bench_gpu.py", ["--interpret", "--tiny", "--ops", "flash", "--modes", "fwd"],
+              tmp_path, out_dir)
 
     md = (out_dir / "bench_gpu.md").read_text()        # the default: $OUT/bench_gpu.md
     data = json.loads((out_dir / "bench_gpu.json").read_text())
