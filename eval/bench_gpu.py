@@ -29,7 +29,9 @@ and tolerances are the kernel tests' (tests/kernels): the relative error of each
 test's 2e-3 against the dense reference and against its XLA decode (both re-quantize the state
 at window ends, where a float rounding difference can flip an integer). A row shows the worst
 tensor, its relative error and max abs error, the tolerance and pass / FAIL, and every tensor's
-relative error (and any extra check).
+relative error (and any extra check). Cases run --parity-workers at a time (threads, default
+4): compiling the kernel, the reference and their VJPs is most of a case's time (220 s for the 15
+cases one after another on the first H200 run, 2026-12-04).
 
 Timings. B = 1, Hq = --heads query heads over --kv-heads KV heads of --head-dim, --dtype (bfloat16),
 at each of --lengths, in the order given (the default visits 4K and 64K, then 16K, 8K and 32K, so
@@ -78,6 +80,7 @@ if __name__ == "__main__" and not __package__:  # run as a file: python eval/ben
     _checkout.use_this_checkout()   # the root instead of eval/ on sys.path (see there)
 
 import argparse
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -238,37 +241,51 @@ def run_parity(run: Run) -> None:
             print(f"  FAIL {kernel}: has a pallas_gpu.py but no parity case in gpu_parity.py",
                   flush=True)
     mode = "interpret mode" if run.pallas["interpret"] else "native"
-    print(f"parity ({mode}; seed {run.meta['seed']}):", flush=True)
-    for i, case in enumerate(cases):
-        what = f"parity {case.kernel} / {case.name} ({case.dtype})"
-        if run.left() < 5:
-            run.skip(what, f"the budget is spent ({run.left():.0f} s left)")
-            continue
-        rng = np.random.default_rng([run.meta["seed"], i])
-        t0 = time.perf_counter()
-        row = {"kernel": case.kernel, "case": case.name, "dtype": case.dtype, "shape": case.shape,
-               "tol": case.tol}
-        try:
-            pairs, checks = case.run(rng, run.pallas, _compile_options(run))
-            errs = [(name,) + errors(a, e) for name, a, e in pairs]
-            worst = max(errs, key=lambda x: x[1])
-            ok = all(rel <= case.tol for _, rel, _, _ in errs) and all(c for _, c in checks)
-            details = ", ".join(f"{n} {rel:.1e}" + (f" ({note})" if note else "")
-                                for n, rel, _, note in errs)
-            details += "".join(f"; {'' if c else 'FAILED: '}{w}" for w, c in checks)
-            row.update({"pass": ok, "worst": worst[0], "rel_err": worst[1],
-                        "max_abs": worst[2], "details": details})
-        except Exception as exc:  # a kernel that fails to lower or run is a failing row
-            traceback.print_exc(limit=3)
-            row.update({"pass": False, "worst": "-", "rel_err": None, "max_abs": None,
-                        "details": f"error: {_first_line(exc)}"})
-        row["seconds"] = time.perf_counter() - t0
-        run.parity.append(row)
-        rel = "-" if row["rel_err"] is None else f"{row['rel_err']:.2e}"
-        print(f"  {'pass' if row['pass'] else 'FAIL'} {case.kernel:<17} {case.name:<22} "
-              f"{case.dtype:<9} worst {row['worst']:<14} rel {rel} tol {_fmt_tol(case.tol)} "
-              f"({row['seconds']:.1f} s)", flush=True)
-        run.write()
+    workers = max(1, run.args.parity_workers)
+    print(f"parity ({mode}; seed {run.meta['seed']}; {workers} case(s) at a time):", flush=True)
+    # Cases run in threads: each compiles its kernel, its reference and their VJPs, which is most
+    # of a case's time (10-36 s each on the first H200 run, 220 s for 15 cases one at a time) and
+    # releases the GIL; the device runs whatever is ready. Rows are recorded in case order.
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        futures = []
+        for i, case in enumerate(cases):
+            if run.left() < 5:
+                run.skip(f"parity {case.kernel} / {case.name} ({case.dtype})",
+                         f"the budget is spent ({run.left():.0f} s left)")
+                continue
+            futures.append(pool.submit(_parity_row, run, case, i))
+        for future in futures:
+            row = future.result()
+            run.parity.append(row)
+            rel = "-" if row["rel_err"] is None else f"{row['rel_err']:.2e}"
+            print(f"  {'pass' if row['pass'] else 'FAIL'} {row['kernel']:<17} {row['case']:<22} "
+                  f"{row['dtype']:<9} worst {row['worst']:<14} rel {rel} tol "
+                  f"{_fmt_tol(row['tol'])} ({row['seconds']:.1f} s)", flush=True)
+            run.write()
+
+
+def _parity_row(run: Run, case, i: int) -> dict:
+    """One parity case's row (its own random inputs, from the run's seed and the case's index)."""
+    rng = np.random.default_rng([run.meta["seed"], i])
+    t0 = time.perf_counter()
+    row = {"kernel": case.kernel, "case": case.name, "dtype": case.dtype, "shape": case.shape,
+           "tol": case.tol}
+    try:
+        pairs, checks = case.run(rng, run.pallas, _compile_options(run))
+        errs = [(name,) + errors(a, e) for name, a, e in pairs]
+        worst = max(errs, key=lambda x: x[1])
+        ok = all(rel <= case.tol for _, rel, _, _ in errs) and all(c for _, c in checks)
+        details = ", ".join(f"{n} {rel:.1e}" + (f" ({note})" if note else "")
+                            for n, rel, _, note in errs)
+        details += "".join(f"; {'' if c else 'FAILED: '}{w}" for w, c in checks)
+        row.update({"pass": ok, "worst": worst[0], "rel_err": worst[1],
+                    "max_abs": worst[2], "details": details})
+    except Exception as exc:  # a kernel that fails to lower or run is a failing row
+        traceback.print_exc(limit=3)
+        row.update({"pass": False, "worst": "-", "rel_err": None, "max_abs": None,
+                    "details": f"error: {_first_line(exc)}"})
+    row["seconds"] = time.perf_counter() - t0
+    return row
 
 
 def _first_line(exc: BaseException) -> str:
@@ -732,6 +749,8 @@ def parse_args(argv):
     ap.add_argument("--lower-only", action="store_true",
                     help="no GPU needed: build every timing row and lower it for cuda (the native "
                          "Pallas kernels through Triton lowering), no parity, nothing run")
+    ap.add_argument("--parity-workers", type=int, default=4,
+                    help="parity cases run (compile) at a time, in threads (default 4)")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--out", default=None,
                     help="markdown file (default $OUT/bench_gpu.md, else eval/bench_gpu.md)")
