@@ -34,8 +34,6 @@ from aiinfra_jax.kernels.sparse_attention import sparse_attention, sparse_attent
 # tests/kernels/test_gated_delta.py's TOLERANCES (the chunked form against the step-by-step
 # recurrence); every other kernel uses kernels._testing.TOLERANCES.
 GATED_DELTA_TOLERANCES = {"float32": 1e-4, "bfloat16": 5e-3}
-# tests/kernels/test_leapquant.py: the quantized record form against the dense reference.
-LEAPQUANT_TOLERANCE = 2e-3
 
 @dataclasses.dataclass(frozen=True)
 class Case:
@@ -192,12 +190,19 @@ def _parity_gated_delta(B, T, H, HV, K, V, kda, strong, dtype, chunk):
 
 
 def _parity_leapquant(B, T, H, HV, K, V, kda, window, rank):
-    """LeapQuant decode (int8 states) with the Pallas window read against the dense float32
-    reference (reference.py re-quantizes at the same steps; the kernel test allows 2e-3 there,
-    where float rounding flips an integer), and against the XLA decode at the same 2e-3: it too
-    re-quantizes at every window end, so an integer can flip between the two reads (seen: 1.2e-4
-    on one seed, 8e-8 on a rerun of it; the read alone is held to float32 rounding by
-    tests/kernels/test_leapquant.py). Forward only: decoding has no gradient."""
+    """LeapQuant decode with the Pallas window read. Forward only: decoding has no gradient.
+
+    The compared tensors: format "none" (a float32 boundary state, the same read kernel and
+    records) against the step-by-step float32 recurrence, at the float32 tolerance: the kernel's
+    arithmetic, natively. INT8 cannot be held to a fixed tolerance against reference.py: both
+    re-quantize at every window end, and a float rounding difference there changes the power
+    iteration's compensators and the rounded integers, so two correct implementations differ by
+    up to ~30% of the quantization error itself (measured on the CPU between the XLA decode and
+    reference.py, 12 draws at these shapes: 5e-5 to 2.5e-3, against a quantization error of
+    5e-3 to 1e-2; the old fixed 2e-3 failed one draw of 12). So INT8 gets two checks that scale with
+    the quantization error q = rel err(reference.py, float32 recurrence): the kernel's own error
+    against the float32 recurrence is at most 1.1 q (as accurate as the reference), and the kernel
+    and the XLA decode each differ from reference.py by at most q / 2."""
     def run(rng, pallas, opts):
         # imported here: a kernel still being written breaks its own row, not the script
         from aiinfra_jax.kernels.leapquant import (LeapQuantSpec, encode_state, leapquant_decode,
@@ -211,22 +216,30 @@ def _parity_leapquant(B, T, H, HV, K, V, kda, window, rank):
             (-rate * np.exp(0.3 * normal(*gshape))).astype(np.float32),
             1 / (1 + np.exp(-normal(B, T, HV)))))
         S0 = jnp.asarray(normal(B, HV, K, V))
-        spec = LeapQuantSpec(fmt="int8", window=window, rank=rank)
+        int8 = LeapQuantSpec(fmt="int8", window=window, rank=rank)
         jit_kw = {"compiler_options": opts} if opts else {}
 
-        def decode(impl):
+        def decode(spec, impl):
             def f(S0, q, k, v, g, beta):
                 state = encode_state(spec, S0, decay_dim=K if kda else 1)
                 o, state = leapquant_decode(q, k, v, g, beta, state, spec=spec, **impl)
                 return o, materialize(state)
             return jax.jit(f, **jit_kw)(S0, *args)
 
-        got, xla = decode(pallas), decode({"implementation": "xla"})
-        want = jax.jit(leapquant_decode_reference, static_argnums=0, **jit_kw)(spec, S0, *args)
-        vs_xla = max(_testing.rel_err(a, e) for a, e in zip(got, xla))
-        return ([("o", got[0], want[0]), ("state", got[1], want[1])],
-                [(f"the XLA decode gives the same: rel err {vs_xla:.1e} "
-                  f"(<= {LEAPQUANT_TOLERANCE:.0e})", vs_xla <= LEAPQUANT_TOLERANCE)])
+        exact = jax.jit(lambda S0, *a: gated_delta_rule_reference(*a, initial_state=S0),
+                        **jit_kw)(S0, *args)
+        plain = decode(LeapQuantSpec(fmt="none", window=window), pallas)
+        got, xla = decode(int8, pallas), decode(int8, {"implementation": "xla"})
+        ref = jax.jit(leapquant_decode_reference, static_argnums=0, **jit_kw)(int8, S0, *args)
+        err = lambda a, b: max(_testing.rel_err(x, y) for x, y in zip(a, b))  # noqa: E731
+        q = err(ref, exact)
+        checks = [(f"int8 as accurate as reference.py: rel err to the float32 recurrence "
+                   f"{err(got, exact):.2e} (<= 1.1 x {q:.2e})", err(got, exact) <= 1.1 * q)]
+        for name, out in (("int8", got), ("the XLA int8 decode", xla)):
+            d = err(out, ref)
+            checks.append((f"{name} within half the quantization error of reference.py: "
+                           f"{d:.1e} (<= {q / 2:.1e})", d <= q / 2))
+        return [("o (none)", plain[0], exact[0]), ("state (none)", plain[1], exact[1])], checks
     return run
 
 
@@ -286,7 +299,7 @@ def parity_cases(tiny: bool) -> list[Case]:
             _parity_gated_delta(B, T, H, HV, K, V, kda, strong, jnp.dtype(dt), C), gtol(dt))
     for name, B, T, H, HV, K, V, kda, P, r in leap:
         add("leapquant", name, "float32", f"B{B} T{T} H{H} HV{HV} K{K} V{V} P{P} r{r}",
-            _parity_leapquant(B, T, H, HV, K, V, kda, P, r), LEAPQUANT_TOLERANCE)
+            _parity_leapquant(B, T, H, HV, K, V, kda, P, r), tol("float32"))
     return cases
 
 

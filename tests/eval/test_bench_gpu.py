@@ -160,9 +160,6 @@ def test_parity_cases_cover_every_pallas_gpu_kernel_at_the_tests_tolerances():
         cases = gpu_parity.parity_cases(tiny)
         assert {c.kernel for c in cases} == kernels, "a kernel without cases in eval/gpu_parity.py"
         for c in cases:
-            if c.kernel == "leapquant":
-                assert c.tol == gpu_parity.LEAPQUANT_TOLERANCE
-                continue
             want = (gpu_parity.GATED_DELTA_TOLERANCES if c.kernel == "gated_delta"
                     else _testing.TOLERANCES)[c.dtype]
             assert c.tol == want, c
