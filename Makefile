@@ -92,8 +92,9 @@ bench-leapquant: $(VENV)/.stamp-base
 	$(PY) -m aiinfra_jax.eval.bench_leapquant $(ARGS)
 
 # Pallas GPU kernels: parity with their float32 references (native) and timings against cuDNN and
-# the XLA path at 4K-64K tokens, in under 5 minutes (eval/bench_gpu.py). Uses the machine's own
-# python3 and JAX, no venv, no install, no network (grain and datasets need not exist):
+# the XLA path at 4K-64K tokens (eval/bench_gpu.py). Stops starting work after --budget-s (270 s),
+# listing what did not fit: on the first H200 run everything took about 2 x 5 minutes. Uses the
+# machine's own python3 and JAX: no venv, install or network (grain and datasets need not exist):
 #   make bench-gpu [ARGS="--lengths 4k,16k,64k --budget-s 270"]
 # On a CPU: make bench-gpu PYTHON=.venv/bin/python ARGS="--interpret --tiny"   (interpret mode)
 #           make bench-gpu PYTHON=.venv/bin/python ARGS=--lower-only          (lower every row for cuda)

@@ -4,9 +4,10 @@ Implementations (the `implementation=` argument of every public op):
   None          the best available for the platform the function is LOWERED for: "pallas_gpu"
                 when lowered for cuda or rocm, "pallas_tpu" for tpu, "xla" for every other platform
                 (cpu); an op whose Pallas kernel measured slower than its XLA path on a platform
-                picks "xla" there (select's `automatic`; gated_delta on cuda). An automatically chosen Pallas kernel that cannot take the given shapes
-                gives way to "xla" on its platform, and says so in the log (a warning, emitted when
-                the function is lowered for that platform).
+                picks "xla" there (select's `automatic`; gated_delta on cuda). An automatically
+                chosen Pallas kernel that cannot take the given shapes gives way to "xla" on its
+                platform, and says so in the log (a warning, emitted when the function is lowered
+                for that platform).
   "xla"         the chunked plain-JAX path; runs on every platform.
   "pallas_gpu"  the Pallas kernel for NVIDIA / AMD GPUs (Triton lowering; cuda, rocm).
   "pallas_tpu"  the Pallas kernel for TPUs (Mosaic lowering).

@@ -122,7 +122,8 @@ def test_tiny_interpret_run_from_a_bare_checkout_without_grain(tmp_path):
 
 def test_every_timing_row_lowers_for_cuda(tmp_path):
     """--lower-only: every op's rows (native Pallas kernels, not interpret) lower for cuda with
-    their Triton kernels, each module passing the MLIR verifier; cuDNN needs a GPU to trace, so its rows are skipped with the reason."""
+    their Triton kernels, each module passing the MLIR verifier; cuDNN needs a GPU to trace, so
+    its rows are skipped with the reason."""
     out = tmp_path / "lowered.md"
     assert bench_gpu.main(["--lower-only", "--tiny", "--out", str(out)]) == 0
     data = json.loads(out.with_suffix(".json").read_text())
