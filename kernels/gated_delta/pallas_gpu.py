@@ -113,13 +113,15 @@ def _specs(N, K, bv):
     return whole, cols, state
 
 
-def state_pass(w, u1, qg, m, kdt, decay, S0, *, interpret: bool = False):
+def state_pass(w, u1, qg, m, kdt, decay, S0, *, interpret: bool = False,
+               block_v: int = BLOCK_V, num_warps: int = NUM_WARPS):
     """Same contract as xla.state_pass: w [B,HV,N,C,K], u1 [B,HV,N,C,V], qg [B,HV,N,C,K],
     m [B,HV,N,C,C], kdt [B,HV,N,K,C], decay [B,HV,N,K,1], S0 [B,HV,K,V] (float32) ->
-    (o [B,HV,N,C,V], final state [B,HV,K,V]), float32."""
+    (o [B,HV,N,C,V], final state [B,HV,K,V]), float32. block_v / num_warps: the tile and warps
+    of each program (eval/tune_gated_delta_gpu.py times the choices; the defaults are untuned)."""
     B, HV, N, C, K = w.shape
     V = u1.shape[-1]
-    bv = min(V, BLOCK_V)
+    bv = min(V, block_v)
     whole, cols, state = _specs(N, K, bv)
     cols = cols(C)
     return pl.pallas_call(
@@ -129,7 +131,7 @@ def state_pass(w, u1, qg, m, kdt, decay, S0, *, interpret: bool = False):
         out_specs=[cols, state],
         out_shape=[jax.ShapeDtypeStruct((B, HV, N, C, V), jnp.float32),
                    jax.ShapeDtypeStruct((B, HV, K, V), jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=2),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
         cost_estimate=_cost(B=B, HV=HV, N=N, C=C, K=K, V=V),
         interpret=interpret,
         name="gated_delta_state_fwd",
@@ -188,19 +190,21 @@ def _grads_kernel(w_ref, u1_ref, h_ref, dh_ref, du_ref, do_ref, dw_ref, dqg_ref,
     ddecay_ref[...] = ddecay
 
 
-def state_pass_bwd(args, cotangents, *, interpret: bool = False):
+def state_pass_bwd(args, cotangents, *, interpret: bool = False, block_v: int = BLOCK_V,
+                   num_warps: int = NUM_WARPS):
     """The VJP of state_pass: args = (w, u1, qg, m, kdt, decay, S0) as state_pass takes them,
     cotangents = (do [B,HV,N,C,V], dS_N [B,HV,K,V]) -> (dw, du1, dqg, dm, dkdt, ddecay, dS0),
-    shaped like args, float32 (what jax.vjp(xla.state_pass, *args) gives)."""
+    shaped like args, float32 (what jax.vjp(xla.state_pass, *args) gives). block_v / num_warps:
+    those of the two sequential kernels (as state_pass's)."""
     w, u1, qg, m, kdt, decay, S0 = args
     do, dsn = (x.astype(jnp.float32) for x in cotangents)
     B, HV, N, C, K = w.shape
     V = u1.shape[-1]
     f32 = jnp.float32
     decay_k = decay[..., 0]                                                    # [B,HV,N,K]
-    bv = min(V, BLOCK_V)
+    bv = min(V, block_v)
     whole, cols, state = _specs(N, K, bv)
-    seq_params = plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=2)
+    seq_params = plgpu.CompilerParams(num_warps=num_warps, num_stages=2)
     dims = dict(B=B, HV=HV, N=N, C=C, K=K, V=V)
 
     h = pl.pallas_call(

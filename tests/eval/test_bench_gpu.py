@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from aiinfra_jax.eval import bench_gpu, gpu_parity
 from aiinfra_jax.kernels import _testing
 
@@ -168,3 +170,19 @@ def test_parity_cases_cover_every_pallas_gpu_kernel_at_the_tests_tolerances():
     text = (ROOT / "tests" / "kernels" / "test_gated_delta.py").read_text()
     found = re.search(r"^TOLERANCES = (\{.*\})$", text, re.M)
     assert found and ast.literal_eval(found.group(1)) == gpu_parity.GATED_DELTA_TOLERANCES
+
+
+def test_gated_delta_tile_tuning_checks_every_variant_before_timing_it(tmp_path):
+    """eval/tune_gated_delta_gpu.py (the next GPU session's A/B of the Triton state pass's tiles)
+    in interpret mode: each variant matches the XLA state pass, forward and backward, and gets
+    times; a malformed variant is refused by name."""
+    from aiinfra_jax.eval import tune_gated_delta_gpu as tune
+    out = tmp_path / "tune.json"
+    assert tune.main(["--interpret", "--tiny", "--variants", "16x4,32x8", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["xla", "16x4", "32x8"]
+    for r in rows[1:]:
+        assert r["fwd_err"] <= tune.TOLERANCE and r["bwd_err"] <= tune.TOLERANCE
+        assert r["fwd_s"] > 0 and r["bwd_s"] > 0
+    with pytest.raises(SystemExit, match="BVxW"):
+        tune.main(["--interpret", "--tiny", "--variants", "32-8"])
