@@ -32,9 +32,9 @@ tolerance cannot hold there). A row shows the worst
 tensor, its relative error and max abs error, the tolerance and pass / FAIL, and every tensor's
 relative error (and any extra check). bfloat16 flash and sparse rows also run the op's XLA path on
 the same inputs, and a tensor within 2x of that baseline's error passes too (gpu_parity says
-why). Cases run --parity-workers at a time (threads, default
-4): compiling the kernel, the reference and their VJPs is most of a case's time (220 s for the 15
-cases one after another on the first H200 run, 2026-12-04).
+why). Cases run --parity-workers at a time (threads, default 4): compiling the kernel, the
+reference and their VJPs is most of a case's time (220 s for the 15 cases one after another on
+the first H200 run, 2026-12-04).
 
 Timings. B = 1, Hq = --heads query heads over --kv-heads KV heads of --head-dim, --dtype (bfloat16),
 at each of --lengths, in the order given (the default visits 4K and 64K, then 16K, 8K and 32K, so

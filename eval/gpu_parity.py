@@ -10,7 +10,8 @@ passes at the tests' tolerance, or within BASELINE_FACTOR times the baseline's o
 the float32 reference (FlashAttention's tests use the same rule against a same-precision
 implementation). Why: a bfloat16 backward's error grows with the terms it sums, and dk / dv sum
 over every query of G heads; on the first H200 run flash's dk at T=2048, G=16, D=128 came to
-1.45e-2 against 1.5e-2, the tests' tolerance for their much smaller shapes. ``parity_cases(tiny)`` lists them at
+1.45e-2 against 1.5e-2, the tests' tolerance for their much smaller shapes.
+``parity_cases(tiny)`` lists them at
 moderate shapes for a GPU, or at the unit tests' shapes for interpret mode on a CPU.
 
 Its own module so that bench_gpu.py keeps to running, timing and reporting. Like bench_gpu.py it
