@@ -20,8 +20,8 @@ backward (pallas_gpu.state_pass_bwd vs the VJP of xla.state_pass) on random cota
 variant's outputs must be within the gated-delta kernels' float32 tolerance (1e-4 relative, the
 whole tensor) of XLA's before it is timed; a variant that fails or does not compile is a row
 with its error. Times: AOT-compiled, a warm-up call, the median of --repeats samples of >= 20 ms
-of back-to-back calls (eval/bench_gpu._time). It imports JAX, NumPy and kernels/ only (no grain):
-it runs from a bare checkout with the GPU machine's python3.
+of back-to-back calls (eval/gpu_timing.time_call). It imports JAX, NumPy and kernels/ only (no
+grain): it runs from a bare checkout with the GPU machine's python3.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import sys
 
-if __name__ == "__main__" and not __package__:  # run as a file: python3 eval/tune_gated_delta_gpu.py
+if __name__ == "__main__" and not __package__:  # run as a file (python3 eval/tune_...py)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # eval/, for _checkout
     import _checkout
     _checkout.use_this_checkout()   # the root instead of eval/ on sys.path (see there)
@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from aiinfra_jax.eval.bench_gpu import _time
+from aiinfra_jax.eval.gpu_timing import time_call
 from aiinfra_jax.kernels import _testing
 from aiinfra_jax.kernels.gated_delta import pallas_gpu, xla
 
@@ -85,8 +85,8 @@ def run(a) -> list[dict]:
     bwd_ref = jax.jit(lambda args, cot: jax.vjp(xla.state_pass, *args)[1](cot))
     want_f, want_b = fwd_ref(*args), bwd_ref(args, cot)
     min_s = 0.0 if a.interpret else MIN_SAMPLE_S
-    rows = [{"variant": "xla", "fwd_s": _time(fwd_ref, args, a.repeats, 8.0, min_s)[0],
-             "bwd_s": _time(bwd_ref, (args, cot), a.repeats, 8.0, min_s)[0]}]
+    rows = [{"variant": "xla", "fwd_s": time_call(fwd_ref, args, a.repeats, 8.0, min_s)[0],
+             "bwd_s": time_call(bwd_ref, (args, cot), a.repeats, 8.0, min_s)[0]}]
     for bv, w in _variants(a.variants):
         row = {"variant": f"{bv}x{w}", "block_v": bv, "num_warps": w}
         kw = dict(interpret=a.interpret, block_v=bv, num_warps=w)
@@ -99,8 +99,8 @@ def run(a) -> list[dict]:
             if max(row["fwd_err"], row["bwd_err"]) > TOLERANCE:
                 row["error"] = f"differs from XLA beyond {TOLERANCE:g}"
             else:
-                row["fwd_s"] = _time(fwd, args, a.repeats, 8.0, min_s)[0]
-                row["bwd_s"] = _time(bwd, (args, cot), a.repeats, 8.0, min_s)[0]
+                row["fwd_s"] = time_call(fwd, args, a.repeats, 8.0, min_s)[0]
+                row["bwd_s"] = time_call(bwd, (args, cot), a.repeats, 8.0, min_s)[0]
         except Exception as exc:      # a variant that does not compile is a row, not the end
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         rows.append(row)
