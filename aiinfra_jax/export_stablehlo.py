@@ -103,7 +103,7 @@ Say = Callable[[str], None]
 # Axes of the cache buffers, by (mixer, buffer name); "*" = any mixer. See AXES_GLOSSARY.
 _AXES: dict[tuple[str, str], tuple[str, ...]] = {
     ("*", "lengths"): ("batch",),
-    ("dense", "k"): ("batch", "kv_heads", "slot", "head_dim"),
+    ("dense", "k"): ("batch", "kv_heads", "head_dim", "slot"),
     ("dense", "v"): ("batch", "kv_heads", "slot", "head_dim"),
     **{("nsa", n): ("batch", "slot", "kv_heads", "head_dim")
        for n in ("k", "v", "k_slc", "v_slc", "k_win", "v_win")},

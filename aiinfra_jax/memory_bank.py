@@ -186,11 +186,12 @@ def attach_bank(model: nnx.Module, cache: tuple, arrays: dict[str, Any],
 
     def with_memory(layer_cache, i):
         inner = layer_cache["mixer"] if "conv" in layer_cache else layer_cache
-        batch, kv, slots, dh = inner["k"].shape
+        batch, kv, slots, dh = inner["v"].shape  # k is [B,K,Dh,S] (msa.py "Cache")
         grown = dict(inner)
-        for key in ("k", "v"):
-            grown[key] = jnp.concatenate([jnp.zeros((batch, kv, m, dh), inner[key].dtype),
-                                          inner[key]], axis=2)
+        grown["k"] = jnp.concatenate([jnp.zeros((batch, kv, dh, m), inner["k"].dtype),
+                                      inner["k"]], axis=3)
+        grown["v"] = jnp.concatenate([jnp.zeros((batch, kv, m, dh), inner["v"].dtype),
+                                      inner["v"]], axis=2)
         grown["mem"] = jnp.zeros((batch, m), jnp.bool_)
         grown["bank"] = dict(shared, **arrays["layers"][i])
         return dict(layer_cache, mixer=grown) if "conv" in layer_cache else grown

@@ -11,6 +11,13 @@ order, on every decode step: for the tiny dense preset at batch 8 and 1K context
 1.6x the bytes of the whole step on this CPU (198 MB -> 126 MB per step, `cost_analysis`).
 MaxText makes the same choice configurable ("cache axis order"); here it is the one layout.
 
+Keys may also come transposed, k [B,K,D,S] (keys_transposed=True; the dense and MSA caches store
+them so). Then the logits are [G*T,D] x [D,S], the plain product, where [S,D]^T made XLA:CPU's
+library dot 3-4x slower for the few rows of a decode step: 0.51 -> 0.13 ms for one layer of the
+tiny dense preset at batch 8 and 1088 slots (the logits alone, 8 x 2 KV heads of 64, quiet
+2-core VM, 2026-12-04), and 1.3x at 64K slots for one row; at a prefill chunk's G*T = 1024 rows
+the two forms cost the same.
+
 Why not flash_attention or jax.nn.dot_product_attention: with T = 1 (decode) the whole row of
 logits is S floats per head, so a single pass needs no online softmax; the flash kernel's tiling
 pads the one query to a tile of 8 and loops over key tiles, and both take sequence-major keys.
@@ -30,19 +37,24 @@ import jax
 import jax.numpy as jnp
 
 def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, *,
-                     scale: float | None = None, return_lse: bool = False):
-    """q [B,T,H,D] over the cache k, v [B,K,S,D] where visible (bool, [B,T,S], or [B,K,T,S] when
-    the KV heads see different slots) is True.
+                     scale: float | None = None, return_lse: bool = False,
+                     keys_transposed: bool = False):
+    """q [B,T,H,D] over the cache k, v [B,K,S,D] (k [B,K,D,S] with keys_transposed) where
+    visible (bool, [B,T,S], or [B,K,T,S] when the KV heads see different slots) is True.
 
     Returns o [B,T,H,D] in q's dtype, and with return_lse also lse [B,T,H] float32 (the log-sum-exp
     of each query's scaled logits over its visible slots; -inf where none is visible). scale:
     None = D^-1/2.
     """
     batch, seq, heads, dim = q.shape
-    if k.ndim != 4 or k.shape[0] != batch or k.shape[3] != dim or v.shape[:3] != k.shape[:3]:
-        raise ValueError(f"cached_attention: k and v must be head-major [B,K,S,D] matching q "
+    k_bksd = k.shape if k.ndim != 4 or not keys_transposed else (*k.shape[:2], k.shape[3],
+                                                                 k.shape[2])
+    if (len(k_bksd) != 4 or k_bksd[0] != batch or k_bksd[3] != dim or v.ndim != 4
+            or v.shape[:3] != k_bksd[:3]):
+        want = "k [B,K,D,S] and v [B,K,S,D]" if keys_transposed else "head-major [B,K,S,D]"
+        raise ValueError(f"cached_attention: k and v must be {want} matching q "
                          f"[B,T,H,D]={q.shape}; got k {k.shape}, v {v.shape}")
-    kv_heads, slots = k.shape[1], k.shape[2]
+    kv_heads, slots = k_bksd[1], k_bksd[2]
     if heads % kv_heads:
         raise ValueError(f"cached_attention: {heads} query heads is not a multiple of "
                          f"{kv_heads} KV heads")
@@ -55,8 +67,8 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Arra
     # [B,T,K,G,D] -> [B,K,G*T,D]: a KV head's queries as the rows of one matrix
     qm = q.reshape(batch, seq, kv_heads, groups, dim).transpose(0, 2, 3, 1, 4)
     qm = qm.reshape(batch, kv_heads, groups * seq, dim)
-    logits = jnp.einsum("bkqd,bksd->bkqs", qm, k.astype(dt),
-                        preferred_element_type=jnp.float32) * scale
+    logits = jnp.einsum("bkqd,bkds->bkqs" if keys_transposed else "bkqd,bksd->bkqs", qm,
+                        k.astype(dt), preferred_element_type=jnp.float32) * scale
     logits = logits.reshape(batch, kv_heads, groups, seq, slots)
     vis = visible[:, None, None] if visible.ndim == 3 else visible[:, :, None]
     # masked logits: finite, so fully masked rows stay NaN-free in value and gradient

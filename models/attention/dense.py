@@ -4,17 +4,18 @@ Shape letters: B batch, T new tokens, S cache slots (max_len), D d_model, H quer
 K key/value heads (H = G * K), Dh head_dim.
 
 Without a cache: causal attention restricted to equal segment ids (0 = padding, its own segment).
-With a cache {"k","v": [B,K,S,Dh], "lengths": [B] int32}: the T new keys/values are written at
-slots lengths[b] .. lengths[b]+T-1, and query i of row b sees slots < lengths[b] + i + 1. Rows
-must be right-padded; segment_ids (if given) marks real tokens (nonzero), and each row's length
-grows by its count of real tokens. A row whose real tokens do not fit in the S slots is refused
+With a cache {"k": [B,K,Dh,S], "v": [B,K,S,Dh], "lengths": [B] int32}: the T new keys/values
+are written at slots lengths[b] .. lengths[b]+T-1, and query i of row b sees slots < lengths[b] +
+i + 1. Rows must be right-padded; segment_ids (if given) marks real tokens (nonzero), and each
+row's length grows by its count of real tokens. A row whose real tokens do not fit in the S slots is refused
 (`cache_room`): nothing of it is written, its length stays, and its outputs are NaN, so the
 overflow shows in its logits instead of corrupting the cache.
 
-The cache is head-major ([B,K,S,Dh]) so that cached calls run the shared
-kernels.flash_attention.cached_attention (two matmuls reading the cache once; its docstring says
-what the sequence-major layout cost). Where cuDNN is chosen (see DenseConfig) a prefill chunk
-(T > 1) transposes the cache once and runs cuDNN's fused attention instead.
+The cache is head-major, with the keys transposed ([B,K,Dh,S]; values [B,K,S,Dh]), so that
+cached calls run the shared kernels.flash_attention.cached_attention as two plain matmuls that read
+the cache once (its docstring says what the sequence-major layout, and untransposed keys, cost).
+Where cuDNN is chosen (see DenseConfig) a prefill chunk (T > 1) transposes the cache once and runs
+cuDNN's fused attention instead.
 """
 
 from __future__ import annotations
@@ -149,10 +150,16 @@ def refuse_rows(y_bt: jax.Array, fits_b: jax.Array) -> jax.Array:
     return jnp.where(fits, y_bt, jnp.asarray(jnp.nan, y_bt.dtype))
 
 
+CACHE_LAYOUTS = ("bskd", "bksd", "bkds")  # a cache buffer's axes: batch, slot, kv head, head dim
+
+
 def write_cache(buf: jax.Array, new_btkd: jax.Array, lengths_b: jax.Array, *,
-                head_major: bool = False) -> jax.Array:
-    """buf [B,S,K,Dh] (or [B,K,S,Dh] with head_major) with new[b, i] written at slot
-    lengths[b] + i (out-of-range slots dropped)."""
+                layout: str = "bskd") -> jax.Array:
+    """buf ([B,S,K,Dh] for layout "bskd", [B,K,S,Dh] for "bksd", [B,K,Dh,S] for "bkds") with
+    new[b, i] ([B,T,K,Dh]) written at slot lengths[b] + i (out-of-range slots dropped)."""
+    if layout not in CACHE_LAYOUTS:
+        raise ValueError(f"write_cache: layout={layout!r}; choose from {CACHE_LAYOUTS}")
+    slot_axis = layout.index("s")
     batch, seq = new_btkd.shape[:2]
     slots_bt = lengths_b[:, None] + jnp.arange(seq, dtype=lengths_b.dtype)[None, :]
     rows_bt = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, seq))
@@ -163,11 +170,14 @@ def write_cache(buf: jax.Array, new_btkd: jax.Array, lengths_b: jax.Array, *,
         # cache (8 copies in a dense decode step at 64K slots, measured: 64 ms for a step whose
         # attention takes 4 ms). A second update at an out-of-range slot (dropped) keeps it a
         # scatter, which XLA updates in place for every reader.
-        slots_bt = jnp.concatenate([slots_bt, jnp.full_like(slots_bt, buf.shape[1 + head_major])],
+        slots_bt = jnp.concatenate([slots_bt, jnp.full_like(slots_bt, buf.shape[slot_axis])],
                                    axis=1)
         rows_bt = jnp.concatenate([rows_bt, rows_bt], axis=1)
         new = jnp.concatenate([new, new], axis=1)
-    if head_major:  # advanced indices around a slice: the indexed dims lead, [B,T,K,Dh]
+    # Advanced indices around slices: the indexed dims lead, so every layout takes [B,T,K,Dh].
+    if layout == "bkds":
+        return buf.at[rows_bt, :, :, slots_bt].set(new, mode="drop")
+    if layout == "bksd":
         return buf.at[rows_bt, :, slots_bt].set(new, mode="drop")
     return buf.at[rows_bt, slots_bt].set(new, mode="drop")
 
@@ -229,16 +239,16 @@ class DenseAttention(nnx.Module):
             new_cache = None
         else:
             lengths = cache["lengths"]
-            slots = cache["k"].shape[2]
+            slots = cache["v"].shape[2]
             added, fits, write_at = cache_room(lengths, segment_ids, seq, slots)
-            k_all = write_cache(cache["k"], k, write_at, head_major=True)
-            v_all = write_cache(cache["v"], v, write_at, head_major=True)
+            k_all = write_cache(cache["k"], k, write_at, layout="bkds")
+            v_all = write_cache(cache["v"], v, write_at, layout="bksd")
             mask = cache_mask(lengths, seq, slots)
             if seq > 1 and choose_implementation(sdpa_impl, dt, q.shape[-1]) == "cudnn":
-                y = sdpa(q, k_all.swapaxes(1, 2).astype(dt), v_all.swapaxes(1, 2).astype(dt),
-                         mask[:, None], sdpa_impl)
+                y = sdpa(q, k_all.transpose(0, 3, 1, 2).astype(dt),
+                         v_all.swapaxes(1, 2).astype(dt), mask[:, None], sdpa_impl)
             else:
-                y = cached_attention(q, k_all, v_all, mask)
+                y = cached_attention(q, k_all, v_all, mask, keys_transposed=True)
             y = refuse_rows(y, fits)
             new_cache = {"k": k_all, "v": v_all, "lengths": lengths + jnp.where(fits, added, 0)}
         out = jnp.einsum("bthk,hkd->btd", y.astype(dt), self.wo[...].astype(dt))
@@ -246,8 +256,9 @@ class DenseAttention(nnx.Module):
 
     def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> DenseCache:
         dtype = jnp.dtype(dtype or self.cfg.dtype)
-        shape = (batch, self.cfg.n_kv_heads, max_len, self.cfg.resolved_head_dim)
-        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
+        kv, dh = self.cfg.n_kv_heads, self.cfg.resolved_head_dim
+        return {"k": jnp.zeros((batch, kv, dh, max_len), dtype),
+                "v": jnp.zeros((batch, kv, max_len, dh), dtype),
                 "lengths": jnp.zeros((batch,), jnp.int32)}
 
     def flops_per_token(self, seq_len: int) -> float:

@@ -70,7 +70,8 @@ Encoding (a memory bank, aiinfra_jax/memory_bank.py): every MSA layer also recor
 chunks ("pooled_k", "pooled_v", "pooled_route_k" [B,C,K,Dh], models/auxiliary.py `record`), which
 a forward over rows of documents only returns with capture_intermediates=True.
 
-Cache (prefill and decode): {"k", "v": [B,K,M+S,Dh] head-major, "lengths": [B] (the query's own
+Cache (prefill and decode): {"k": [B,K,Dh,M+S], "v": [B,K,M+S,Dh] (the dense cache's layout,
+models/attention/dense.py), "lengths": [B] (the query's own
 tokens in the cache), "mem": [B,M] bool (the memory slots in use), "docs": [B,top_k] int32 (the
 bank documents in memory, best first, -1 = none)}: the first M slots hold pooled key/value chunks
 of memory documents, the query's own tokens go at M + lengths. init_cache makes M = 0 (an MSA
@@ -446,11 +447,11 @@ class MSAttention(nnx.Module):
         batch, seq = p["q"].shape[:2]
         mem, docs = cache["mem"], cache["docs"]
         m = mem.shape[1]
-        slots = cache["k"].shape[2] - m
+        slots = cache["v"].shape[2] - m
         lengths = cache["lengths"]
         added, fits, write_at = cache_room(lengths, segment_ids, seq, slots)
-        k_all = write_cache(cache["k"], p["k"], m + write_at, head_major=True)
-        v_all = write_cache(cache["v"], p["v"], m + write_at, head_major=True)
+        k_all = write_cache(cache["k"], p["k"], m + write_at, layout="bkds")
+        v_all = write_cache(cache["v"], p["v"], m + write_at, layout="bksd")
         bank = cache.get("bank")
         if bank is not None and m:
             reads = (jnp.zeros((batch, seq), jnp.bool_) if segment_ids is None
@@ -460,11 +461,12 @@ class MSAttention(nnx.Module):
             docs = jnp.where(self.routes[...] > 0, select_bank_documents(scores, c.top_k), -1)
             mem_k, mem_v, mem = gather_memory(bank["k"], bank["v"], bank["kv_start"],
                                               bank["kv_chunks"], docs, m // c.top_k)
-            k_all = k_all.at[:, :, :m].set(mem_k.astype(k_all.dtype))
+            k_all = k_all.at[:, :, :, :m].set(mem_k.swapaxes(2, 3).astype(k_all.dtype))
             v_all = v_all.at[:, :, :m].set(mem_v.astype(v_all.dtype))
         visible = jnp.concatenate([jnp.broadcast_to(mem[:, None, :], (batch, seq, m)),
                                    cache_mask(lengths, seq, slots)], axis=2)
-        y = refuse_rows(cached_attention(p["q"], k_all, v_all, visible), fits)
+        y = refuse_rows(cached_attention(p["q"], k_all, v_all, visible, keys_transposed=True),
+                        fits)
         return y, {"k": k_all, "v": v_all, "lengths": lengths + jnp.where(fits, added, 0),
                    "mem": mem, "docs": docs}
 
@@ -472,8 +474,9 @@ class MSAttention(nnx.Module):
         """A cache without memory slots (module docstring, "Cache"); memory_bank.attach_bank
         gives a routing layer its memory."""
         dtype = jnp.dtype(dtype or self.cfg.dtype)
-        shape = (batch, self.cfg.n_kv_heads, max_len, self.cfg.resolved_head_dim)
-        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
+        kv, dh = self.cfg.n_kv_heads, self.cfg.resolved_head_dim
+        return {"k": jnp.zeros((batch, kv, dh, max_len), dtype),
+                "v": jnp.zeros((batch, kv, max_len, dh), dtype),
                 "lengths": jnp.zeros((batch,), jnp.int32),
                 "mem": jnp.zeros((batch, 0), jnp.bool_),
                 "docs": jnp.full((batch, self.cfg.msa.top_k), -1, jnp.int32)}

@@ -13,7 +13,8 @@ from aiinfra_jax.kernels.flash_attention import (AttentionMask, cached_attention
                                                  flash_attention_reference)
 
 B, S, H, K, D = 2, 24, 4, 2, 8
-attend = jax.jit(cached_attention, static_argnames=("return_lse",))  # eager dispatch is slow
+attend = jax.jit(cached_attention, static_argnames=("return_lse", "keys_transposed"))  # eager
+# dispatch is slow
 
 
 def _inputs(seed, t):
@@ -49,10 +50,16 @@ def _head_major(x):
     return x.swapaxes(1, 2)
 
 
-@pytest.mark.parametrize("t", [1, 3])
-def test_matches_the_reference_forward_lse_and_gradients(t):
+def _keys(k, transposed):
+    """[B,S,K,D] keys in cached_attention's layout: [B,K,S,D], or [B,K,D,S] transposed."""
+    return k.transpose(0, 2, 3, 1) if transposed else _head_major(k)
+
+
+@pytest.mark.parametrize("t,transposed", [(1, False), (3, False), (1, True), (3, True)])
+def test_matches_the_reference_forward_lse_and_gradients(t, transposed):
     q, k, v, visible = _inputs(t, t)
-    o, lse = attend(q, _head_major(k), _head_major(v), visible, return_lse=True)
+    o, lse = attend(q, _keys(k, transposed), _head_major(v), visible, return_lse=True,
+                    keys_transposed=transposed)
     o_ref, lse_ref = _oracle(q, k, v, visible)
     np.testing.assert_allclose(o, o_ref, rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(lse, lse_ref, rtol=2e-5, atol=2e-5)
@@ -62,7 +69,8 @@ def test_matches_the_reference_forward_lse_and_gradients(t):
     def loss(fn):
         return lambda q, k, v: jnp.sum(fn(q, k, v) * w)
     got = jax.jit(jax.grad(loss(lambda q, k, v: cached_attention(
-        q, _head_major(k), _head_major(v), visible)), argnums=(0, 1, 2)))(q, k, v)
+        q, _keys(k, transposed), _head_major(v), visible, keys_transposed=transposed)),
+        argnums=(0, 1, 2)))(q, k, v)
     want = jax.jit(jax.grad(loss(lambda q, k, v: _oracle(q, k, v, visible)[0]),
                             argnums=(0, 1, 2)))(q, k, v)
     for name, g, r in zip("qkv", got, want):
@@ -76,3 +84,5 @@ def test_bad_shapes_are_named():
         cached_attention(q, k[..., :4], v, visible)
     with pytest.raises(ValueError, match="visible"):
         cached_attention(q, _head_major(k), _head_major(v), visible[:, :, :5])
+    with pytest.raises(ValueError, match=r"k \[B,K,D,S\] and v \[B,K,S,D\]"):
+        cached_attention(q, _head_major(k), _head_major(v), visible, keys_transposed=True)

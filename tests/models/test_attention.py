@@ -77,7 +77,8 @@ def test_segments_are_isolated():
 def test_cache_layout_and_flops():
     attn = DenseAttention(CFG, rngs=nnx.Rngs(3))
     cache = attn.init_cache(3, 16, jnp.bfloat16)
-    assert cache["k"].shape == (3, 2, 16, 8) and cache["k"].dtype == jnp.bfloat16  # [B,K,S,Dh]
+    assert cache["k"].shape == (3, 2, 8, 16) and cache["k"].dtype == jnp.bfloat16  # [B,K,Dh,S]
+    assert cache["v"].shape == (3, 2, 16, 8)  # [B,K,S,Dh]
     assert cache["lengths"].shape == (3,) and cache["lengths"].dtype == jnp.int32
     proj = 2 * 32 * 8 * (2 * 4 + 2 * 2)
     assert attn.flops_per_token(1) == pytest.approx(proj + 4 * 4 * 8)
