@@ -13,7 +13,7 @@ from helpers import tiny
 
 from aiinfra_jax.checkpoint import Checkpointer
 from aiinfra_jax.config import to_dict
-from aiinfra_jax.eval import bench_leapquant
+from aiinfra_jax.eval import bench_leapquant, leapquant_quality
 from aiinfra_jax.steps import abstract_model
 
 
@@ -84,14 +84,14 @@ def test_quality_mode_structure_and_reference(gdn_run, tmp_path, capsys):
 
 def test_quality_mode_refuses_a_nan_row(gdn_run, monkeypatch):
     """A non-finite logit (what a refused row gives) is an error, not averaged."""
-    real = bench_leapquant._score
+    real = leapquant_quality._score
 
     def poisoned(logits, targets, ref):
         return real(logits.at[1, 0].set(jnp.nan), targets, ref)
 
-    monkeypatch.setattr(bench_leapquant, "_score", poisoned)
+    monkeypatch.setattr(leapquant_quality, "_score", poisoned)
     with pytest.raises(FloatingPointError, match="non-finite logits .* first row 1"):
-        bench_leapquant.quality(gdn_run, docs=2, length=8, settings=["none"], forward=False)
+        leapquant_quality.quality(gdn_run, docs=2, length=8, settings=["none"], forward=False)
 
 
 def test_cost_mode_times_every_format_and_counts_state_bytes(tmp_path, capsys):
