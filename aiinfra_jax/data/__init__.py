@@ -14,9 +14,9 @@ import importlib
 
 _WHERE = {
     "DataConfig": "config",
-    "BATCH_KEYS": "pipeline", "DataIterator": "pipeline", "StagedIterator": "pipeline",
-    "StreamsIterator": "pipeline",
-    "make_dataset": "pipeline", "make_iterator": "pipeline",
+    "BATCH_KEYS": "pipeline", "DataIterator": "iterators", "StagedIterator": "iterators",
+    "StreamsIterator": "iterators",
+    "make_dataset": "pipeline", "make_iterator": "iterators",
     "DocumentSource": "sources", "open_source": "sources", "register_source": "sources",
     "registered_sources": "sources",
     "ByteTokenizer": "tokenizer", "Tokenizer": "tokenizer", "load_tokenizer": "tokenizer",
