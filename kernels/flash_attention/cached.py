@@ -9,14 +9,15 @@ contiguous [S,D] matrices, so attention is two batched matmuls, [G*T,D] x [S,D]^
 jax.nn.dot_product_attention and `flash_attention` take) XLA first copies K and V into matmul
 order, on every decode step: for the tiny dense preset at batch 8 and 1K context that copy was
 1.6x the bytes of the whole step on this CPU (198 MB -> 126 MB per step, `cost_analysis`).
-MaxText makes the same choice configurable ("cache axis order"); here it is the one layout.
-
-Keys may also come transposed, k [B,K,D,S] (keys_transposed=True; the dense and MSA caches store
-them so). Then the logits are [G*T,D] x [D,S], the plain product, where [S,D]^T made XLA:CPU's
-library dot 3-4x slower for the few rows of a decode step: 0.51 -> 0.13 ms for one layer of the
-tiny dense preset at batch 8 and 1088 slots (the logits alone, 8 x 2 KV heads of 64, quiet
-2-core VM, 2026-12-04), and 1.3x at 64K slots for one row; at a prefill chunk's G*T = 1024 rows
-the two forms cost the same.
+MaxText makes the same choice configurable ("cache axis order"); here head-major is the one
+layout, and the keys may also come transposed, k [B,K,D,S] (keys_transposed=True; the dense and
+MSA caches store them so). Then the logits are [G*T,D] x [D,S], the plain product, where [S,D]^T
+made XLA:CPU's library dot 3-4x slower for the few rows of a decode step: 0.51 -> 0.13 ms for one
+layer of the tiny dense preset at batch 8 and 1088 slots (the logits alone, 8 x 2 KV heads of 64,
+the cache hot in L3, quiet 2-core VM, 2026-12-04), 1.3x at 64K slots for one row; at a prefill
+chunk's G*T = 1024 rows the two forms cost the same. Inside a whole decode step, whose caches do
+not fit in the L3, the logits of a layer went from 0.74-1.16 to 0.44-0.49 ms (eval/BENCHMARKS.md
+"Generation throughput").
 
 Why not flash_attention or jax.nn.dot_product_attention: with T = 1 (decode) the whole row of
 logits is S floats per head, so a single pass needs no online softmax; the flash kernel's tiling

@@ -7,9 +7,9 @@ Without a cache: causal attention restricted to equal segment ids (0 = padding, 
 With a cache {"k": [B,K,Dh,S], "v": [B,K,S,Dh], "lengths": [B] int32}: the T new keys/values
 are written at slots lengths[b] .. lengths[b]+T-1, and query i of row b sees slots < lengths[b] +
 i + 1. Rows must be right-padded; segment_ids (if given) marks real tokens (nonzero), and each
-row's length grows by its count of real tokens. A row whose real tokens do not fit in the S slots is refused
-(`cache_room`): nothing of it is written, its length stays, and its outputs are NaN, so the
-overflow shows in its logits instead of corrupting the cache.
+row's length grows by its count of real tokens. A row whose real tokens do not fit in the S slots
+is refused (`cache_room`): nothing of it is written, its length stays, and its outputs are NaN,
+so the overflow shows in its logits instead of corrupting the cache.
 
 The cache is head-major, with the keys transposed ([B,K,Dh,S]; values [B,K,S,Dh]), so that
 cached calls run the shared kernels.flash_attention.cached_attention as two plain matmuls that read
