@@ -53,7 +53,7 @@ from flax import nnx
 
 from aiinfra_jax import steps
 from aiinfra_jax.config import OptimConfig
-from aiinfra_jax.eval.bench_leapquant import decode_scores, forward_scores
+from aiinfra_jax.eval.leapquant_quality import decode_scores, forward_scores
 from aiinfra_jax.models import ModelConfig, Transformer
 from aiinfra_jax.models.attention.gated_delta import GatedDeltaConfig
 
