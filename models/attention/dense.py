@@ -182,6 +182,22 @@ def write_cache(buf: jax.Array, new_btkd: jax.Array, lengths_b: jax.Array, *,
     return buf.at[rows_bt, slots_bt].set(new, mode="drop")
 
 
+def kv_buffers(batch: int, kv_heads: int, head_dim: int, slots: int, dtype: Any
+               ) -> dict[str, jax.Array]:
+    """Empty key/value buffers of a softmax cache read by cached_attention: k [B,K,Dh,S] (keys
+    transposed), v [B,K,S,Dh] (the dense and MSA caches)."""
+    return {"k": jnp.zeros((batch, kv_heads, head_dim, slots), dtype),
+            "v": jnp.zeros((batch, kv_heads, slots, head_dim), dtype)}
+
+
+def write_kv(cache: dict[str, jax.Array], k_btkd: jax.Array, v_btkd: jax.Array,
+             slots_b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(k, v) of kv_buffers' layout with the new keys / values [B,T,K,Dh] written from slot
+    slots_b[b] on (write_cache)."""
+    return (write_cache(cache["k"], k_btkd, slots_b, layout="bkds"),
+            write_cache(cache["v"], v_btkd, slots_b, layout="bksd"))
+
+
 @register_mixer("dense")
 class DenseAttention(nnx.Module):
     """Projections q/k/v/o, RoPE, then attention by cfg.dense (DenseConfig: the kernel and its
@@ -241,8 +257,7 @@ class DenseAttention(nnx.Module):
             lengths = cache["lengths"]
             slots = cache["v"].shape[2]
             added, fits, write_at = cache_room(lengths, segment_ids, seq, slots)
-            k_all = write_cache(cache["k"], k, write_at, layout="bkds")
-            v_all = write_cache(cache["v"], v, write_at, layout="bksd")
+            k_all, v_all = write_kv(cache, k, v, write_at)
             mask = cache_mask(lengths, seq, slots)
             if seq > 1 and choose_implementation(sdpa_impl, dt, q.shape[-1]) == "cudnn":
                 y = sdpa(q, k_all.transpose(0, 3, 1, 2).astype(dt),
@@ -256,10 +271,8 @@ class DenseAttention(nnx.Module):
 
     def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> DenseCache:
         dtype = jnp.dtype(dtype or self.cfg.dtype)
-        kv, dh = self.cfg.n_kv_heads, self.cfg.resolved_head_dim
-        return {"k": jnp.zeros((batch, kv, dh, max_len), dtype),
-                "v": jnp.zeros((batch, kv, max_len, dh), dtype),
-                "lengths": jnp.zeros((batch,), jnp.int32)}
+        return {**kv_buffers(batch, self.cfg.n_kv_heads, self.cfg.resolved_head_dim, max_len,
+                             dtype), "lengths": jnp.zeros((batch,), jnp.int32)}
 
     def flops_per_token(self, seq_len: int) -> float:
         """Projections 2*D*(2H+2K)*Dh plus scores and values 4*H*Dh per attended key; causal

@@ -105,7 +105,7 @@ from ..auxiliary import record, report_loss, report_metric
 from ..config import ModelConfig, check_implementation, runtime_field
 from ..layers import apply_rope, out_proj_std
 from ..registry import register_config, register_mixer
-from .dense import cache_mask, cache_room, refuse_rows, write_cache
+from .dense import cache_mask, cache_room, kv_buffers, refuse_rows, write_kv
 from .msa_routing import (
     ANSWER_BIT, INFONCE_FORMS, bank_document_scores, batch_document_scores, document_layout,
     document_scores, gather_memory, infonce, pool_chunks, query_roles,
@@ -450,8 +450,7 @@ class MSAttention(nnx.Module):
         slots = cache["v"].shape[2] - m
         lengths = cache["lengths"]
         added, fits, write_at = cache_room(lengths, segment_ids, seq, slots)
-        k_all = write_cache(cache["k"], p["k"], m + write_at, layout="bkds")
-        v_all = write_cache(cache["v"], p["v"], m + write_at, layout="bksd")
+        k_all, v_all = write_kv(cache, p["k"], p["v"], m + write_at)
         bank = cache.get("bank")
         if bank is not None and m:
             reads = (jnp.zeros((batch, seq), jnp.bool_) if segment_ids is None
@@ -474,9 +473,8 @@ class MSAttention(nnx.Module):
         """A cache without memory slots (module docstring, "Cache"); memory_bank.attach_bank
         gives a routing layer its memory."""
         dtype = jnp.dtype(dtype or self.cfg.dtype)
-        kv, dh = self.cfg.n_kv_heads, self.cfg.resolved_head_dim
-        return {"k": jnp.zeros((batch, kv, dh, max_len), dtype),
-                "v": jnp.zeros((batch, kv, max_len, dh), dtype),
+        return {**kv_buffers(batch, self.cfg.n_kv_heads, self.cfg.resolved_head_dim, max_len,
+                             dtype),
                 "lengths": jnp.zeros((batch,), jnp.int32),
                 "mem": jnp.zeros((batch, 0), jnp.bool_),
                 "docs": jnp.full((batch, self.cfg.msa.top_k), -1, jnp.int32)}
