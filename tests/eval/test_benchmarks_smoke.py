@@ -102,14 +102,15 @@ def test_bench_nsa_layer_table_ratios():
     assert md.rstrip().splitlines()[-1].endswith("| 60.0000 | 15.0x |")
 
 
-@pytest.mark.parametrize("step", ["train", "eval"])
+@pytest.mark.parametrize("step", ["train", "eval", "decode"])
 def test_profile_step_toy(tmp_path, step):
-    """The step profiler traces a toy train (or eval) step and maps compiled ops back to JAX op
-    names."""
+    """The step profiler traces a toy train (or eval, or cached decode) step and maps compiled ops
+    back to JAX op names."""
     from aiinfra_jax.eval import profile_step
 
     assert profile_step.main([
-        "--out", str(tmp_path), "--calls", "1", "--top", "3", "--step", step,
+        "--out", str(tmp_path), "--calls", "1", "--top", "3", "--step", step, "--context", "16",
+        "--batch", "2",
         "--set", "model.d_model=32", "--set", "model.n_layers=2", "--set", "model.n_heads=2",
         "--set", "model.n_kv_heads=1", "--set", "data.seq_len=32", "--set", "data.batch_size=4",
         "--set", "mesh.num_devices=1"]) == 0
