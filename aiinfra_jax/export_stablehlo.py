@@ -105,12 +105,12 @@ _AXES: dict[tuple[str, str], tuple[str, ...]] = {
     ("*", "lengths"): ("batch",),
     ("dense", "k"): ("batch", "kv_heads", "head_dim", "slot"),
     ("dense", "v"): ("batch", "kv_heads", "slot", "head_dim"),
-    **{("nsa", n): ("batch", "slot", "kv_heads", "head_dim")
+    **{("nsa", n): ("batch", "kv_heads", "slot", "head_dim")
        for n in ("k", "v", "k_slc", "v_slc", "k_win", "v_win")},
     ("nsa", "k_src"): ("batch", "cmp_tail", "kv_heads", "head_dim"),
     ("nsa", "v_src"): ("batch", "cmp_tail", "kv_heads", "head_dim"),
-    ("nsa", "k_cmp"): ("batch", "compressed", "kv_heads", "head_dim"),
-    ("nsa", "v_cmp"): ("batch", "compressed", "kv_heads", "head_dim"),
+    ("nsa", "k_cmp"): ("batch", "kv_heads", "compressed", "head_dim"),
+    ("nsa", "v_cmp"): ("batch", "kv_heads", "compressed", "head_dim"),
     **{(m, "state"): ("batch", "value_heads", "key_dim", "value_dim") for m in ("gdn", "kda")},
     **{(m, "conv"): ("batch", "conv_tail", "channels") for m in ("gdn", "kda")},
     ("short_conv", "conv"): ("batch", "conv_tail", "embed"),

@@ -4,9 +4,9 @@
 """
 
 from aiinfra_jax.kernels.block_selection.api import (block_scores, select_blocks,
-                                                     select_from_scores)
+                                                     select_blocks_from_probs, select_from_scores)
 from aiinfra_jax.kernels.block_selection.reference import (Remap, block_scores_reference,
                                                            select_from_scores_reference)
 
 __all__ = ["Remap", "block_scores", "block_scores_reference", "select_blocks",
-           "select_from_scores", "select_from_scores_reference"]
+           "select_blocks_from_probs", "select_from_scores", "select_from_scores_reference"]

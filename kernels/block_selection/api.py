@@ -225,6 +225,43 @@ def _select_blocks(q, k_cmp, lse_cmp, selection, *, seq_len, cmp_block_len, cmp_
                               n_selected=n_selected, n_init=n_init, n_local=n_local)
 
 
+def select_blocks_from_probs(group_probs, *, seq_len: int, cmp_block_len: int = 32,
+                             cmp_stride: int = 16, block_size: int = 64, n_selected: int = 16,
+                             n_init: int = 1, n_local: int = 2, remap: str = "overlap",
+                             q_offset=None):
+    """select_blocks from the compressed branch's own probabilities instead of q, k_cmp and its
+    lse: group_probs [B, T, Hkv, Sc] float32, each KV group's attention probabilities over the
+    compressed tokens summed over its query heads (cached_attention(..., return_group_probs=True)),
+    zero where a token is not visible. No segments (a query sees its row from position 0).
+
+    The same selection as select_blocks up to float32 rounding of the probabilities, without
+    computing the compressed logits a second time: for a decode step (T = 1), where the tiled
+    score kernel's fixed cost is most of its time. Plain JAX on every backend (an elementwise
+    window sum and a top-n over nb blocks). Returns block_indices as select_blocks does."""
+    if getattr(group_probs, "ndim", None) != 4:
+        raise ValueError(f"select_blocks_from_probs: group_probs must be [B,T,Hkv,Sc], got "
+                         f"shape {list(getattr(group_probs, 'shape', ()))}")
+    b, t = group_probs.shape[:2]
+    _positive_int(seq_len, "seq_len")
+    _positive_int(cmp_stride, "cmp_stride")
+    _positive_int(cmp_block_len, "cmp_block_len", cmp_stride)
+    _positive_int(block_size, "block_size")
+    _positive_int(n_selected, "n_selected")
+    _positive_int(n_init, "n_init", 0)
+    _positive_int(n_local, "n_local", 0)
+    if n_init + n_local > n_selected:
+        raise ValueError(f"{_OP}: n_init + n_local = {n_init + n_local} forced blocks exceed "
+                         f"n_selected={n_selected}; lower n_init/n_local or raise n_selected")
+    if remap not in REMAPS:
+        raise ValueError(f"{_OP}: remap must be one of {REMAPS}, got {remap!r}")
+    rm = Remap(remap, int(cmp_block_len), int(cmp_stride), int(block_size))
+    scores = xla_impl.block_scores_from_probs(jax.lax.stop_gradient(group_probs), rm, seq_len)
+    off = jnp.zeros((b,), jnp.int32) if q_offset is None else jnp.asarray(q_offset, jnp.int32)
+    q_pos = jnp.arange(t, dtype=jnp.int32)[None, :] + off[:, None]
+    return select_from_scores(scores, q_pos, jnp.zeros_like(q_pos), block_size=block_size,
+                              n_selected=n_selected, n_init=n_init, n_local=n_local)
+
+
 def block_scores(q, k_cmp, lse_cmp, *, seq_len: int, cmp_block_len: int = 32,
                  cmp_stride: int = 16, block_size: int = 64, remap: str = "overlap",
                  scale: float | None = None, q_offset=None, q_segment_ids=None,

@@ -69,6 +69,13 @@ def _window_sums(p, remap: Remap, n_tokens: int, n_blocks: int):
     return total
 
 
+def block_scores_from_probs(p, remap: Remap, seq_len: int):
+    """Block scores [..., nb] from compressed-token probabilities p [..., Sc] already summed over
+    a group's heads (zero where a token is not visible), e.g. cached_attention's group probs."""
+    return _window_sums(p.astype(jnp.float32), remap, p.shape[-1],
+                        -(-seq_len // remap.block_size))
+
+
 # The score tile [R, G*bq, bk] float32 is written, exponentiated, masked and summed over G in
 # separate passes on XLA:CPU, so its size decides the speed: measured at T = 8K, G = 16, R = 1
 # (eval/BENCHMARKS.md), 4 MiB and up 340-370 ms, 1 MiB and below 30-50 ms. The default token tile

@@ -39,13 +39,15 @@ import jax.numpy as jnp
 
 def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, *,
                      scale: float | None = None, return_lse: bool = False,
-                     keys_transposed: bool = False):
+                     keys_transposed: bool = False, return_group_probs: bool = False):
     """q [B,T,H,D] over the cache k, v [B,K,S,D] (k [B,K,D,S] with keys_transposed) where
     visible (bool, [B,T,S], or [B,K,T,S] when the KV heads see different slots) is True.
 
-    Returns o [B,T,H,D] in q's dtype, and with return_lse also lse [B,T,H] float32 (the log-sum-exp
-    of each query's scaled logits over its visible slots; -inf where none is visible). scale:
-    None = D^-1/2.
+    Returns o [B,T,H,D] in q's dtype; with return_lse also lse [B,T,H] float32 (the log-sum-exp
+    of each query's scaled logits over its visible slots; -inf where none is visible); with
+    return_group_probs also the attention probabilities summed over each KV head's G query heads,
+    [B,T,K,S] float32 without gradient (0 where not visible): what NSA's block selection ranks,
+    so a decode step need not compute the compressed logits twice. scale: None = D^-1/2.
     """
     batch, seq, heads, dim = q.shape
     k_bksd = k.shape if k.ndim != 4 or not keys_transposed else (*k.shape[:2], k.shape[3],
@@ -82,8 +84,10 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Arra
                    .astype(dt), v.astype(dt), preferred_element_type=jnp.float32)
     o = o.reshape(batch, kv_heads, groups, seq, -1).transpose(0, 3, 1, 2, 4)
     o = o.reshape(batch, seq, heads, -1).astype(dt)
-    if not return_lse:
-        return o
-    lse = jnp.where(total > 0, jnp.log(jnp.where(total > 0, total, 1.0)) + top, -jnp.inf)
-    lse = lse[..., 0].transpose(0, 3, 1, 2).reshape(batch, seq, heads)
-    return o, lse
+    out = [o]
+    if return_lse:
+        lse = jnp.where(total > 0, jnp.log(jnp.where(total > 0, total, 1.0)) + top, -jnp.inf)
+        out.append(lse[..., 0].transpose(0, 3, 1, 2).reshape(batch, seq, heads))
+    if return_group_probs:
+        out.append(jax.lax.stop_gradient(probs.sum(axis=2)).transpose(0, 2, 1, 3))
+    return out[0] if len(out) == 1 else tuple(out)

@@ -19,21 +19,25 @@ All attention arithmetic lives in the shared kernels (kernels/flash_attention, b
 sparse_attention); NSAConfig.implementation picks their backend (None = best available). A decode
 step (one query per row) runs the cmp and win branches and the gathered selected blocks through
 kernels.flash_attention.cached_attention instead, on every backend: two small matmuls per branch
-over at most C, w and (n+1)*l' keys, where the tiled kernels pad the single query to a tile and
-loop over key tiles (their fixed cost was most of a decode step).
+over at most C, w and n*l' keys, where the tiled kernels pad the single query to a tile and
+loop over key tiles (their fixed cost was most of a decode step); its blocks are ranked by the
+compressed branch's own probabilities (select_blocks_from_probs), not by logits computed again.
 
 Packed documents (segment_ids, training): every branch masks by segment; a compressed block that
 spans a document boundary gets kv segment id -1, so no query sees it. Blocks and windows are laid
 out on the row index, like the kernels' positions.
 
-Cache (prefill / decode, see models/registry.py): raw K/V of the selection and window branches
-[B,S,K,Dh] (one pair when shared), the compression branch's last l - 1 un-rotated inputs
-("k_src"/"v_src" [B,l-1,K,Dh]), compressed K/V [B,C,K,Dh] (C = compressed tokens that fit in S) and
-lengths [B]. A call writes the T new tokens at each row's length, then compresses every block that
-these tokens complete (at most ceil(T/d) per row: a new compressed token every d tokens). A decode
-step reads the C compressed tokens, the n selected blocks (gathered before sparse_attention) and the
-last w keys (gathered): O(S/d + n*l' + w) work; pass the cache as a donated
-argument (or loop inside one jit) so the O(1) writes happen in place.
+Cache (prefill / decode, see models/registry.py), head-major like the dense cache: raw K/V of the
+selection and window branches [B,K,S,Dh] (one pair when shared), the compression branch's last
+l - 1 un-rotated inputs ("k_src"/"v_src" [B,l-1,K,Dh]), compressed K/V [B,K,C,Dh] (C = compressed
+tokens that fit in S) and lengths [B]. A call writes the T new tokens at each row's length, then
+compresses every block that these tokens complete (at most ceil(T/d) per row: a new compressed
+token every d tokens). A decode step reads the C compressed tokens, the n selected blocks
+(gathered) and the last w keys (a slice): O(S/d + n*l' + w) work, each read in the layout
+cached_attention takes. Sequence-major, every decode step copied the compressed and window keys
+and values into that layout (16 copies, ~1 ms of an nsa_tiny step at batch 8, 1K context); a
+prefill chunk, whose T queries share the copy, now transposes what the tiled kernels read instead.
+Pass the cache as a donated argument (or loop inside one jit) so the O(1) writes happen in place.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from aiinfra_jax.kernels.block_selection import select_blocks
+from aiinfra_jax.kernels.block_selection import select_blocks, select_blocks_from_probs
 from aiinfra_jax.kernels.flash_attention import AttentionMask, cached_attention, flash_attention
 from aiinfra_jax.kernels.flash_attention.mask import visible
 from aiinfra_jax.kernels.sparse_attention import sparse_attention
@@ -201,18 +205,17 @@ def n_compressed(seq_len: int, block_len: int, stride: int) -> int:
     return max(1, (seq_len - block_len) // stride + 1)
 
 
-def _attend_one(q, k_bskd, v_bskd, mask: AttentionMask, offset_b, return_lse: bool = False):
-    """One query per row (decode) at position offset_b [B] over a few hundred sequence-major keys
-    [B,S,K,Dh] under `mask` (flash_attention's rule): cached_attention on their head-major copy."""
-    slots = k_bskd.shape[1]
+def _attend_one(q, k_bksd, v_bksd, mask: AttentionMask, offset_b, **returns):
+    """One query per row (decode) at position offset_b [B] over head-major keys [B,K,S,Dh] under
+    `mask` (flash_attention's rule), through cached_attention (returns: its return_* flags)."""
+    slots = k_bksd.shape[2]
     vis = visible(mask, offset_b[:, None, None], jnp.arange(slots)[None, None, :], slots)
     vis = jnp.broadcast_to(vis, (q.shape[0], 1, slots))
-    return cached_attention(q, k_bskd.swapaxes(1, 2), v_bskd.swapaxes(1, 2), vis,
-                            return_lse=return_lse)
+    return cached_attention(q, k_bksd, v_bksd, vis, **returns)
 
 
 def _cache_keys(separate_kv: bool) -> dict[str, tuple[str, str]]:
-    """Branch -> its (key, value) raw cache entries [B,S,K,Dh]."""
+    """Branch -> its (key, value) raw cache entries [B,K,S,Dh]."""
     if separate_kv:
         return {"slc": ("k_slc", "v_slc"), "win": ("k_win", "v_win")}
     return {"slc": ("k", "v"), "win": ("k", "v")}
@@ -339,31 +342,44 @@ class NSAttention(nnx.Module):
         pe, w1, b1, w2, b2 = (getattr(self, n)[...].astype(dt)
                               for n in ("cmp_pe", "cmp_w1", "cmp_b1", "cmp_w2", "cmp_b2"))
         win = win + pe[:, None, None, :, None, :]
-        hid = jax.nn.silu(jnp.einsum("nbjlkd,nldf->nbjkf", win, w1) + b1[:, None, None, None])
+        # The product contracts (l, d), which are not adjacent in win; XLA then copies one side
+        # into matmul order, and it picked the weights (2 x [L*Dh, F] per layer) even in a decode
+        # step, where win holds one block. Laying out win [.., K, L, Dh] first makes the copy the
+        # activations'; done only when they are the smaller side (not in training).
+        if win[0].size <= w1[0].size:
+            n2, kv = win.shape[0], win.shape[4]
+            flat = jnp.moveaxis(win, 4, 3).reshape(n2, b * j * kv, blk * win.shape[-1])
+            hid = jnp.einsum("nrc,ncf->nrf", flat, w1.reshape(n2, -1, w1.shape[-1]))
+            hid = hid.reshape(n2, b, j, kv, -1)
+        else:
+            hid = jnp.einsum("nbjlkd,nldf->nbjkf", win, w1)
+        hid = jax.nn.silu(hid + b1[:, None, None, None])
         y = jnp.einsum("nbjkf,nfd->nbjkd", hid, w2)
         out = jnp.mean(win, axis=3) + y + b2[:, None, None, None]
         return apply_rope(out[0], end_positions_bj, self.cfg.rope_theta), out[1]
 
     def _branches(self, q, gates, kv: dict[str, tuple[jax.Array, jax.Array]], *, seq_len: int,
                   q_offset=None, segment_ids=None, cmp_segment_ids=None, win_offset=None):
-        """Gated sum [B,T,H,Dh] of the three branches. kv: branch -> (k, v) in the compute dtype;
-        seq_len: raw key length of the slc keys; win_offset: q_offset for the window keys."""
+        """Gated sum [B,T,H,Dh] of the three branches. kv: branch -> (k, v) in the compute dtype,
+        [B,S,K,Dh], or head-major [B,K,S,Dh] for a decode step (q_offset given, T = 1); seq_len:
+        raw key length of the slc keys; win_offset: q_offset for the window keys."""
         c = self.cfg.nsa
         kernel = dict(implementation=c.implementation, interpret=c.interpret)
         decode = q_offset is not None and q.shape[1] == 1  # one query per row, no segments
         k_cmp, v_cmp = kv["cmp"]
         cmp_mask = AttentionMask(compressed=(c.cmp_block_len, c.cmp_stride))
-        if decode:
-            o_cmp, lse_cmp = _attend_one(q, k_cmp, v_cmp, cmp_mask, q_offset, return_lse=True)
+        sel = dict(seq_len=seq_len, cmp_block_len=c.cmp_block_len, cmp_stride=c.cmp_stride,
+                   block_size=c.sel_block_size, n_selected=c.n_selected, n_init=c.n_init,
+                   n_local=c.n_local, remap=c.remap, q_offset=q_offset)
+        if decode:  # the blocks ranked by the compressed branch's own probabilities
+            o_cmp, p_cmp = _attend_one(q, k_cmp, v_cmp, cmp_mask, q_offset,
+                                       return_group_probs=True)
+            idx = select_blocks_from_probs(p_cmp, **sel)
         else:
             cmp_seg = None if segment_ids is None else (segment_ids, cmp_segment_ids)
             o_cmp, lse_cmp = flash_attention(q, k_cmp, v_cmp, mask=cmp_mask, segment_ids=cmp_seg,
                                              q_offset=q_offset, return_lse=True, **kernel)
-        idx = select_blocks(q, k_cmp, lse_cmp, seq_len=seq_len, cmp_block_len=c.cmp_block_len,
-                            cmp_stride=c.cmp_stride, block_size=c.sel_block_size,
-                            n_selected=c.n_selected, n_init=c.n_init, n_local=c.n_local,
-                            remap=c.remap, q_offset=q_offset, q_segment_ids=segment_ids,
-                            **kernel)
+            idx = select_blocks(q, k_cmp, lse_cmp, q_segment_ids=segment_ids, **sel, **kernel)
         # Diagnostics (eval/nsa_probe.py): returned by model(..., capture_intermediates=True).
         record(self, "selected_blocks", idx)
         record(self, "gates", gates)
@@ -385,30 +401,30 @@ class NSAttention(nnx.Module):
         return g[..., 0, None] * o_cmp + g[..., 1, None] * o_slc + g[..., 2, None] * o_win
 
     def _decode_selected(self, q, k, v, idx, lengths):
-        """Selection branch of one decode step (T = 1) in O(n*l'): the selected blocks of the
-        cache k, v [B,S,K,Dh] are gathered, head-major, into n + 1 blocks [B,K,(n+1)*l',Dh] (the
-        query's own, partly written block moved to the last one, where only its slots up to the
-        query are visible) and cached_attention runs on that short key axis. Without the gather
-        the attention would re-layout the whole cache (O(S)) every step."""
-        c = self.cfg.nsa
-        size = c.sel_block_size
-        batch, slots, kv_heads = k.shape[:3]
-        n = idx.shape[-1]
-        own = (lengths // size)[:, None, None, None]
-        is_own = idx == own
-        blocks = jnp.concatenate([jnp.where(is_own, -1, idx),
-                                  jnp.where(is_own.any(-1, keepdims=True), own, -1)], axis=-1)
-        blocks = blocks[:, 0]  # [B,K,n+1]
-        rows = jnp.maximum(blocks, 0)[..., None] * size + jnp.arange(size)  # [B,K,n+1,P]
-        rows = jnp.minimum(rows, slots - 1).reshape(batch, kv_heads, -1)
-        heads = jnp.arange(kv_heads)[None, :, None]
-        k_sel, v_sel = (a[jnp.arange(batch)[:, None, None], rows, heads] for a in (k, v))
-        slot = jnp.arange((n + 1) * size, dtype=jnp.int32)
-        in_time = ((slot[None, :] < n * size)
-                   | (slot[None, :] - n * size <= (lengths % size)[:, None]))  # [B,(n+1)*P]
-        chosen = jnp.repeat(blocks >= 0, size, axis=-1)  # [B,K,(n+1)*P]
-        vis = (chosen & in_time[:, None, :])[:, :, None, :]  # [B,K,1,(n+1)*P]
-        return cached_attention(q, k_sel, v_sel, vis)
+        """Selection branch of one decode step (T = 1) in O(n*l') over the head-major cache k, v
+        [B,K,S,Dh]: the n selected blocks are gathered as contiguous slices into [B,K,n*l',Dh]
+        and cached_attention runs on that short key axis, each slot visible when it lies in its
+        block (a slice at the cache's end starts early, when S is not a multiple of l') and not
+        after the query (its own block is partly written). A cache of at most n*l' slots is read
+        whole instead, its unselected blocks masked: the same keys without the gather's copy."""
+        size = self.cfg.nsa.sel_block_size
+        slots = k.shape[2]
+        idx = idx[:, 0]  # [B,K,n]
+        if slots <= idx.shape[-1] * size:
+            slot = jnp.arange(slots, dtype=jnp.int32)
+            chosen = ((slot // size)[None, None, :, None] == idx[:, :, None, :]).any(-1)
+            vis = chosen & (slot[None, :] <= lengths[:, None])[:, None, :]  # [B,K,S]
+            return cached_attention(q, k, v, vis[:, :, None, :])
+        starts = jnp.clip(idx * size, 0, slots - size)  # [B,K,n]
+        # Per (row, head, block) one dynamic slice of l' slots: a gather of contiguous rows
+        # (take_along_axis on slot indices was a clamped element gather, 2x slower here).
+        take = jax.vmap(lambda a, s: jax.lax.dynamic_slice_in_dim(a, s, size), (None, 0))
+        take = jax.vmap(jax.vmap(take))
+        k_sel, v_sel = (take(a, starts).reshape(*starts.shape[:2], -1, a.shape[-1])
+                        for a in (k, v))
+        pos = starts[..., None] + jnp.arange(size, dtype=jnp.int32)  # [B,K,n,P]
+        vis = ((pos // size == idx[..., None]) & (pos <= lengths[:, None, None, None]))
+        return cached_attention(q, k_sel, v_sel, vis.reshape(*starts.shape[:2], 1, -1))
 
     # Forward ----------------------------------------------------------------------------------
     def __call__(self, x_btd: jax.Array, *, positions: jax.Array,
@@ -455,12 +471,12 @@ class NSAttention(nnx.Module):
         names = _cache_keys(c.separate_kv)
         lengths = cache["lengths"]
         batch, seq = q.shape[:2]
-        slots = cache[names["slc"][0]].shape[1]
-        n_cmp = cache["k_cmp"].shape[1]
+        slots = cache[names["slc"][0]].shape[2]
+        n_cmp = cache["k_cmp"].shape[2]
         added, fits, write_at = cache_room(lengths, segment_ids, seq, slots)
         out = {"lengths": lengths + jnp.where(fits, added, 0)}
         for name in {n for pair in names.values() for n in pair}:
-            out[name] = write_cache(cache[name], new[name], write_at)
+            out[name] = write_cache(cache[name], new[name], write_at, layout="bksd")
         # Compression sources: the cached tail (rows [len - m, len)) followed by the new tokens;
         # index c of `src` is row len - m + c. Blocks end at rows e in [len, len + added) with
         # i*d + L - 1 = e (at most ceil(T / d) of them).
@@ -484,16 +500,18 @@ class NSAttention(nnx.Module):
         rows = jnp.broadcast_to(jnp.arange(batch)[:, None], idx_bj.shape)
         target = jnp.where(valid, idx_bj, n_cmp)  # out of range: dropped
         for name, value in (("k_cmp", k_new), ("v_cmp", v_new)):
-            out[name] = cache[name].at[rows, target].set(value.astype(cache[name].dtype),
-                                                         mode="drop")
+            out[name] = cache[name].at[rows, :, target].set(value.astype(cache[name].dtype),
+                                                            mode="drop")
         # The window branch reads only the last w + T - 1 slots.
         win_len = min(slots, c.window + seq - 1)
         start = jnp.clip(lengths - (c.window - 1), 0, slots - win_len)
-        win_rows = (start[:, None] + jnp.arange(win_len, dtype=jnp.int32))[:, :, None, None]
-        k_win, v_win = (jnp.take_along_axis(out[n], win_rows, axis=1).astype(dt)
-                        for n in names["win"])
+        # One contiguous [K,w',Dh] slice per row (take_along_axis' clamped gather cost 2x more).
+        window = jax.vmap(lambda a, s: jax.lax.dynamic_slice_in_dim(a, s, win_len, axis=1))
         kv = {"cmp": (out["k_cmp"].astype(dt), out["v_cmp"].astype(dt)),
-              "slc": tuple(out[n] for n in names["slc"]), "win": (k_win, v_win)}
+              "slc": tuple(out[n] for n in names["slc"]),
+              "win": tuple(window(out[n], start).astype(dt) for n in names["win"])}
+        if seq > 1:  # a prefill chunk: the tiled kernels take [B,S,K,Dh]
+            kv = {b: tuple(a.swapaxes(1, 2) for a in pair) for b, pair in kv.items()}
         y = self._branches(q, gates, kv, seq_len=slots, q_offset=lengths,
                            win_offset=lengths - start)
         return refuse_rows(y, fits), out
@@ -504,11 +522,12 @@ class NSAttention(nnx.Module):
         kv_shape = (self.cfg.n_kv_heads, self.cfg.resolved_head_dim)
         n_cmp = n_compressed(max_len, c.cmp_block_len, c.cmp_stride)
         names = sorted({n for pair in _cache_keys(c.separate_kv).values() for n in pair})
-        cache = {n: jnp.zeros((batch, max_len) + kv_shape, dtype) for n in names}
+        k, dh = kv_shape
+        cache = {n: jnp.zeros((batch, k, max_len, dh), dtype) for n in names}
         tail = (batch, _tail_len(c.cmp_block_len)) + kv_shape
         cache["k_src"], cache["v_src"] = jnp.zeros(tail, dtype), jnp.zeros(tail, dtype)
-        cache["k_cmp"] = jnp.zeros((batch, n_cmp) + kv_shape, dtype)
-        cache["v_cmp"] = jnp.zeros((batch, n_cmp) + kv_shape, dtype)
+        cache["k_cmp"] = jnp.zeros((batch, k, n_cmp, dh), dtype)
+        cache["v_cmp"] = jnp.zeros((batch, k, n_cmp, dh), dtype)
         cache["lengths"] = jnp.zeros((batch,), jnp.int32)
         return cache
 

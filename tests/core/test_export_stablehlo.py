@@ -115,9 +115,9 @@ def test_runner_in_a_fresh_process_generates_the_live_models_tokens(exported, tm
     assert manifest["tokens"] == {"bos_id": 257, "eos_id": 258, "pad_id": 256}
     assert set(manifest["weights"]) == set(ex.read_safetensors(out))
     buffers = {b["name"]: b for b in manifest["cache"]["buffers"]}
-    assert buffers["cache.0.0.k_slc"]["shape"] == ["b", 64, 1, 16]
-    assert buffers["cache.0.0.k_slc"]["axes"] == ["batch", "slot", "kv_heads", "head_dim"]
-    assert buffers["cache.0.0.k_cmp"]["shape"] == ["b", 15, 1, 16]  # (64 - 8) // 4 + 1
+    assert buffers["cache.0.0.k_slc"]["shape"] == ["b", 1, 64, 16]
+    assert buffers["cache.0.0.k_slc"]["axes"] == ["batch", "kv_heads", "slot", "head_dim"]
+    assert buffers["cache.0.0.k_cmp"]["shape"] == ["b", 1, 15, 16]  # (64 - 8) // 4 + 1
     assert buffers["cache.0.0.lengths"] == {**buffers["cache.0.0.lengths"], "shape": ["b"],
                                             "dtype": "int32", "layer": 0, "mixer": "nsa"}
     assert manifest["symbolic"]["why not symbolic"]  # NSA: fixed batch, bucketed prompts
@@ -135,9 +135,10 @@ def test_accelerator_artifacts_hold_the_pallas_kernels(exported):
             exp = jax.export.deserialize(bytearray((out / item["file"]).read_bytes()))
             assert exp.platforms == (platform,)
             text = exp.mlir_module()
-            if platform == "cpu":
+            if platform == "cpu" or item is entry["decode"]:
+                # decode is plain XLA everywhere (cached_attention, select_blocks_from_probs)
                 assert not any(call in text for call in _KERNEL_CALLS.values())
-            else:  # prefill: the tiled kernels; decode: the block-selection kernel
+            else:  # prefill: the tiled kernels
                 assert _KERNEL_CALLS[platform] in text, (platform, item["file"])
 
 

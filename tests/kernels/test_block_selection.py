@@ -14,9 +14,11 @@ import pytest
 
 from aiinfra_jax.kernels._testing import assert_close
 from aiinfra_jax.kernels.block_selection import (Remap, block_scores, block_scores_reference,
-                                                 select_blocks, select_from_scores_reference)
+                                                 select_blocks, select_blocks_from_probs,
+                                                 select_from_scores_reference)
 from aiinfra_jax.kernels.block_selection.reference import doc_start_positions
-from aiinfra_jax.kernels.flash_attention import AttentionMask, flash_attention
+from aiinfra_jax.kernels.flash_attention import AttentionMask, cached_attention, flash_attention
+from aiinfra_jax.kernels.flash_attention.mask import visible
 
 IMPLS = ("xla", "pallas_gpu", "pallas_tpu")
 
@@ -186,6 +188,35 @@ def test_decode_with_q_offset_matches_prefill():
     for p in (5, 63):
         step = sel(q[:, p:p + 1], k_cmp, lse[:, p:p + 1], jnp.array([p], jnp.int32))
         np.testing.assert_array_equal(np.asarray(step[:, 0]), np.asarray(full[:, p]))
+
+
+@pytest.mark.parametrize("remap, l, d, lp", [("overlap", 8, 4, 8), ("eq9", 8, 4, 16),
+                                             ("overlap", 6, 4, 10)])
+def test_select_from_group_probs_matches_select_blocks(remap, l, d, lp):
+    """A decode step ranks blocks by the compressed branch's own probabilities
+    (cached_attention's group probs): the same blocks as select_blocks from q, k_cmp and lse, at
+    offsets in the first block, mid-sequence and the last position, per row."""
+    q, k_cmp, _, _, _, seq_len = _problem(jax.random.PRNGKey(6), b=3, t=64, l=l, d=d)
+    v_cmp = jax.random.normal(jax.random.PRNGKey(7), k_cmp.shape)
+    kw = dict(seq_len=seq_len, cmp_block_len=l, cmp_stride=d, block_size=lp, n_selected=4,
+              remap=remap)
+    off = jnp.asarray([3, 37, 63], jnp.int32)
+    qd = q[jnp.arange(3), off][:, None]
+    lse = _compressed_lse(qd, k_cmp, v_cmp, off, l=l, d=d)
+    want = select_blocks(qd, k_cmp, lse, q_offset=off, **kw)
+    sc = k_cmp.shape[1]
+    vis = visible(AttentionMask(compressed=(l, d)), off[:, None, None],
+                  jnp.arange(sc)[None, None, :], sc)
+    o, p = cached_attention(qd, k_cmp.swapaxes(1, 2), v_cmp.swapaxes(1, 2),
+                            jnp.broadcast_to(vis, (3, 1, sc)), return_group_probs=True)
+    assert p.shape == (3, 1, 2, sc) and not np.asarray(p[0]).any()  # no token visible at 3
+    np.testing.assert_allclose(p.sum(-1)[1:], 2.0, rtol=1e-5)       # G = 2 heads, each sums to 1
+    got = select_blocks_from_probs(p, q_offset=off, **kw)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(ValueError, match="n_init"):
+        select_blocks_from_probs(p, q_offset=off, **{**kw, "n_selected": 2, "n_local": 2})
+    with pytest.raises(ValueError, match="group_probs"):
+        select_blocks_from_probs(p[0], q_offset=off, **kw)
 
 
 @pytest.mark.parametrize("kwargs, match", [

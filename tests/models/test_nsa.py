@@ -72,9 +72,9 @@ def test_registered_shapes_dtypes_and_cache_layout():
         assert cache is None and y.shape == (B, T, CFG.d_model) and y.dtype == jnp.dtype(cfg.dtype)
         assert np.isfinite(np.asarray(y, np.float32)).all()
     cache = _layer().init_cache(3, 20)
-    assert cache["k_cmp"].shape == (3, n_compressed(20, 4, 2), 2, 8) == (3, 9, 2, 8)
+    assert cache["k_cmp"].shape == (3, 2, n_compressed(20, 4, 2), 8) == (3, 2, 9, 8)
     assert {"k_src", "v_src", "k_slc", "v_slc", "k_win", "v_win", "lengths"} <= set(cache)
-    assert cache["k_slc"].shape == (3, 20, 2, 8) and cache["lengths"].dtype == jnp.int32
+    assert cache["k_slc"].shape == (3, 2, 20, 8) and cache["lengths"].dtype == jnp.int32
     assert cache["k_src"].shape == (3, 3, 2, 8)  # the last l - 1 compression inputs
     shared = _layer(bf16_shared)
     assert shared.wk[...].shape == (32, 1, 2, 8)
@@ -157,16 +157,22 @@ def test_gradients_reach_every_parameter():
     assert all(np.abs(gk[:, b]).max() > 0 for b in range(3))
 
 
-def test_decode_selection_gather_matches_kernel_on_full_cache():
-    """The decode step gathers the selected blocks before sparse_attention; with or without the
-    query's own (partly written) block selected it equals the kernel on the whole cache."""
+@pytest.mark.parametrize("slots", [40, 37, 24])
+def test_decode_selection_matches_kernel_on_full_cache(slots):
+    """The decode step's selection branch over the head-major cache, by gathering the selected
+    blocks (40 and 37 slots > n*l' = 24; at 37 the last block is partial) or by masking a short
+    cache read whole (24 slots): with or without the query's own (partly written) block selected
+    it equals sparse_attention on the whole sequence-major cache."""
     kq, kk, kv = jax.random.split(jax.random.key(8), 3)
     q = jax.random.normal(kq, (B, 1, 4, 8))
-    k, v = (jax.random.normal(key, (B, 40, 2, 8)) for key in (kk, kv))
-    lengths = jnp.asarray([17, 39], jnp.int32)  # own blocks 2 and 4
-    idx = jnp.asarray([[[[0, 1, -1], [2, -1, -1]]], [[[0, 3, 4], [1, 2, 3]]]], jnp.int32)
+    k, v = (jax.random.normal(key, (B, slots, 2, 8)) for key in (kk, kv))
+    lengths = jnp.asarray([17, slots - 1], jnp.int32)  # own blocks 2 and `last`
+    last = (slots - 1) // 8
+    idx = jnp.asarray([[[[0, 1, -1], [2, -1, -1]]],
+                       [[[0, last - 1, last], [last - 2, last - 1, last]]]], jnp.int32)
     want = jax.jit(lambda *a: sparse_attention(*a, block_size=8, q_offset=lengths))(q, k, v, idx)
-    got = jax.jit(_layer()._decode_selected)(q, k, v, idx, lengths)
+    got = jax.jit(_layer()._decode_selected)(q, k.swapaxes(1, 2), v.swapaxes(1, 2), idx,
+                                             lengths)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
