@@ -60,7 +60,7 @@ from ..auxiliary import record
 from ..config import ModelConfig, check_implementation, runtime_field
 from ..layers import apply_rope, out_proj_std
 from ..registry import register_config, register_mixer
-from .dense import cache_room, refuse_rows, write_cache
+from .dense import cache_room, refuse_rows, scatter_slots, write_cache
 
 NSACache = dict[str, jax.Array]
 
@@ -497,11 +497,9 @@ class NSAttention(nnx.Module):
                                       axis=1)
         k_new, v_new = self.compress(src["k_src"], src["v_src"],
                                      idx_bj * d - (lengths[:, None] - m), end_pos)
-        rows = jnp.broadcast_to(jnp.arange(batch)[:, None], idx_bj.shape)
         target = jnp.where(valid, idx_bj, n_cmp)  # out of range: dropped
         for name, value in (("k_cmp", k_new), ("v_cmp", v_new)):
-            out[name] = cache[name].at[rows, :, target].set(value.astype(cache[name].dtype),
-                                                            mode="drop")
+            out[name] = scatter_slots(cache[name], target, value, layout="bksd")
         # The window branch reads only the last w + T - 1 slots.
         win_len = min(slots, c.window + seq - 1)
         start = jnp.clip(lengths - (c.window - 1), 0, slots - win_len)

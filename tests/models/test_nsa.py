@@ -176,6 +176,27 @@ def test_decode_selection_matches_kernel_on_full_cache(slots):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_decode_step_copies_no_cache_buffer(batch):
+    """A donated decode step updates every cache buffer in place (raw, compressed, tails): its
+    compiled program copies none of them whole. With one row, the compressed cache's one-token
+    write became a dynamic_update_slice that XLA:CPU copied the buffer for, once per reader."""
+    layer = _layer()
+    graphdef, state = nnx.split(layer)
+    cache = layer.init_cache(batch, 64, jnp.float32)
+
+    def step(state, cache, x, pos):
+        return nnx.merge(graphdef, state)(x, positions=pos, cache=cache)
+
+    x = jnp.zeros((batch, 1, CFG.d_model))
+    pos = jnp.full((batch, 1), 40, jnp.int32)
+    hlo = jax.jit(step, donate_argnums=(1,)).lower(state, cache, x, pos).compile().as_text()
+    shapes = {f"f32[{','.join(map(str, v.shape))}]" for k, v in cache.items() if k != "lengths"}
+    copies = [line for line in hlo.splitlines() if " copy(" in line
+              and any(f"= {s}" in line for s in shapes)]
+    assert not copies, copies[:3]
+
+
 def _model(cfg=CFG):
     return Transformer(cfg, rngs=nnx.Rngs(0))
 
