@@ -28,15 +28,18 @@ spans a document boundary gets kv segment id -1, so no query sees it. Blocks and
 out on the row index, like the kernels' positions.
 
 Cache (prefill / decode, see models/registry.py), head-major like the dense cache: raw K/V of the
-selection and window branches [B,K,S,Dh] (one pair when shared), the compression branch's last
-l - 1 un-rotated inputs ("k_src"/"v_src" [B,l-1,K,Dh]), compressed K/V [B,K,C,Dh] (C = compressed
-tokens that fit in S) and lengths [B]. A call writes the T new tokens at each row's length, then
-compresses every block that these tokens complete (at most ceil(T/d) per row: a new compressed
-token every d tokens). A decode step reads the C compressed tokens, the n selected blocks
-(gathered) and the last w keys (a slice): O(S/d + n*l' + w) work, each read in the layout
-cached_attention takes. Sequence-major, every decode step copied the compressed and window keys
-and values into that layout (16 copies, ~1 ms of an nsa_tiny step at batch 8, 1K context); a
-prefill chunk, whose T queries share the copy, now transposes what the tiled kernels read instead.
+selection and window branches [B,K,S,Dh] (one pair when shared), the compression branch's last l - 1
+un-rotated inputs ("k_src"/"v_src" [B,l-1,K,Dh]), compressed K/V [B,K,C,Dh] (C = compressed tokens
+that fit in S), and lengths [B]. The window's and the compressed keys are stored transposed,
+[B,K,Dh,S] and [B,K,Dh,C] (_TRANSPOSED_KEYS): a decode step's logits over them are then a plain
+product, which XLA:CPU runs 1.5-2x faster for a few query rows than [S,Dh]^T. A call writes the T
+new tokens at each row's length, then compresses every block that these tokens complete (at most
+ceil(T/d) per row: a new compressed token every d tokens). A decode step reads the C compressed
+tokens, the n selected blocks (gathered) and the last w keys (a slice): O(S/d + n*l' + w) work, each
+read in the layout cached_attention takes. Sequence-major, every decode step copied the compressed
+and window keys and values into that layout (16 copies, ~1 ms of an nsa_tiny step at batch 8, 1K
+context); a prefill chunk, whose T queries share the copy, now transposes what the tiled kernels
+read instead.
 Pass the cache as a donated argument (or loop inside one jit) so the O(1) writes happen in place.
 """
 
@@ -205,17 +208,29 @@ def n_compressed(seq_len: int, block_len: int, stride: int) -> int:
     return max(1, (seq_len - block_len) // stride + 1)
 
 
-def _attend_one(q, k_bksd, v_bksd, mask: AttentionMask, offset_b, **returns):
-    """One query per row (decode) at position offset_b [B] over head-major keys [B,K,S,Dh] under
-    `mask` (flash_attention's rule), through cached_attention (returns: its return_* flags)."""
-    slots = k_bksd.shape[2]
+def _attend_one(q, k, v, mask: AttentionMask, offset_b, **kwargs):
+    """One query per row (decode) at position offset_b [B] over the head-major keys and values
+    v [B,K,S,Dh] under `mask` (flash_attention's rule), through cached_attention (kwargs: its
+    keys_transposed and return_* flags)."""
+    slots = v.shape[2]
     vis = visible(mask, offset_b[:, None, None], jnp.arange(slots)[None, None, :], slots)
     vis = jnp.broadcast_to(vis, (q.shape[0], 1, slots))
-    return cached_attention(q, k_bksd, v_bksd, vis, **returns)
+    return cached_attention(q, k, v, vis, **kwargs)
+
+
+# Key buffers stored transposed, [B,K,Dh,S]: those a decode step reads as one run per row (the
+# window slice, all compressed tokens). The selection keys stay [B,K,S,Dh]: gathering blocks of
+# transposed keys was a gather fused with a transpose, 3-4x slower than the dot it sped up.
+_TRANSPOSED_KEYS = ("k_win", "k_cmp")
+
+
+def _layout(name: str) -> str:
+    """write_cache layout of a cache entry."""
+    return "bkds" if name in _TRANSPOSED_KEYS else "bksd"
 
 
 def _cache_keys(separate_kv: bool) -> dict[str, tuple[str, str]]:
-    """Branch -> its (key, value) raw cache entries [B,K,S,Dh]."""
+    """Branch -> its (key, value) raw cache entries (head-major; layouts: _layout)."""
     if separate_kv:
         return {"slc": ("k_slc", "v_slc"), "win": ("k_win", "v_win")}
     return {"slc": ("k", "v"), "win": ("k", "v")}
@@ -361,8 +376,9 @@ class NSAttention(nnx.Module):
     def _branches(self, q, gates, kv: dict[str, tuple[jax.Array, jax.Array]], *, seq_len: int,
                   q_offset=None, segment_ids=None, cmp_segment_ids=None, win_offset=None):
         """Gated sum [B,T,H,Dh] of the three branches. kv: branch -> (k, v) in the compute dtype,
-        [B,S,K,Dh], or head-major [B,K,S,Dh] for a decode step (q_offset given, T = 1); seq_len:
-        raw key length of the slc keys; win_offset: q_offset for the window keys."""
+        [B,S,K,Dh], or head-major [B,K,S,Dh] for a decode step (q_offset given, T = 1), where the
+        compressed keys come transposed, [B,K,Dh,C]; seq_len: raw key length of the slc keys;
+        win_offset: q_offset for the window keys."""
         c = self.cfg.nsa
         kernel = dict(implementation=c.implementation, interpret=c.interpret)
         decode = q_offset is not None and q.shape[1] == 1  # one query per row, no segments
@@ -373,7 +389,7 @@ class NSAttention(nnx.Module):
                    n_local=c.n_local, remap=c.remap, q_offset=q_offset)
         if decode:  # the blocks ranked by the compressed branch's own probabilities
             o_cmp, p_cmp = _attend_one(q, k_cmp, v_cmp, cmp_mask, q_offset,
-                                       return_group_probs=True)
+                                       return_group_probs=True, keys_transposed=True)
             idx = select_blocks_from_probs(p_cmp, **sel)
         else:
             cmp_seg = None if segment_ids is None else (segment_ids, cmp_segment_ids)
@@ -393,7 +409,8 @@ class NSAttention(nnx.Module):
         k_win, v_win = kv["win"]
         win_mask = AttentionMask(window=c.window)
         if decode:
-            o_win = _attend_one(q, k_win, v_win, win_mask, win_offset)
+            o_win = _attend_one(q, k_win, v_win, win_mask, win_offset,
+                                keys_transposed=c.separate_kv)
         else:
             o_win = flash_attention(q, k_win, v_win, mask=win_mask, segment_ids=segment_ids,
                                     q_offset=win_offset, **kernel)
@@ -408,7 +425,7 @@ class NSAttention(nnx.Module):
         after the query (its own block is partly written). A cache of at most n*l' slots is read
         whole instead, its unselected blocks masked: the same keys without the gather's copy."""
         size = self.cfg.nsa.sel_block_size
-        slots = k.shape[2]
+        batch, kv_heads, slots = v.shape[:3]
         idx = idx[:, 0]  # [B,K,n]
         if slots <= idx.shape[-1] * size:
             slot = jnp.arange(slots, dtype=jnp.int32)
@@ -420,11 +437,11 @@ class NSAttention(nnx.Module):
         # (take_along_axis on slot indices was a clamped element gather, 2x slower here).
         take = jax.vmap(lambda a, s: jax.lax.dynamic_slice_in_dim(a, s, size), (None, 0))
         take = jax.vmap(jax.vmap(take))
-        k_sel, v_sel = (take(a, starts).reshape(*starts.shape[:2], -1, a.shape[-1])
+        k_sel, v_sel = (take(a, starts).reshape(batch, kv_heads, -1, a.shape[-1])
                         for a in (k, v))
         pos = starts[..., None] + jnp.arange(size, dtype=jnp.int32)  # [B,K,n,P]
         vis = ((pos // size == idx[..., None]) & (pos <= lengths[:, None, None, None]))
-        return cached_attention(q, k_sel, v_sel, vis.reshape(*starts.shape[:2], 1, -1))
+        return cached_attention(q, k_sel, v_sel, vis.reshape(batch, kv_heads, 1, -1))
 
     # Forward ----------------------------------------------------------------------------------
     def __call__(self, x_btd: jax.Array, *, positions: jax.Array,
@@ -471,12 +488,12 @@ class NSAttention(nnx.Module):
         names = _cache_keys(c.separate_kv)
         lengths = cache["lengths"]
         batch, seq = q.shape[:2]
-        slots = cache[names["slc"][0]].shape[2]
-        n_cmp = cache["k_cmp"].shape[2]
+        slots = cache[names["slc"][1]].shape[2]
+        n_cmp = cache["v_cmp"].shape[2]
         added, fits, write_at = cache_room(lengths, segment_ids, seq, slots)
         out = {"lengths": lengths + jnp.where(fits, added, 0)}
         for name in {n for pair in names.values() for n in pair}:
-            out[name] = write_cache(cache[name], new[name], write_at, layout="bksd")
+            out[name] = write_cache(cache[name], new[name], write_at, layout=_layout(name))
         # Compression sources: the cached tail (rows [len - m, len)) followed by the new tokens;
         # index c of `src` is row len - m + c. Blocks end at rows e in [len, len + added) with
         # i*d + L - 1 = e (at most ceil(T / d) of them).
@@ -499,17 +516,23 @@ class NSAttention(nnx.Module):
                                      idx_bj * d - (lengths[:, None] - m), end_pos)
         target = jnp.where(valid, idx_bj, n_cmp)  # out of range: dropped
         for name, value in (("k_cmp", k_new), ("v_cmp", v_new)):
-            out[name] = scatter_slots(cache[name], target, value, layout="bksd")
+            out[name] = scatter_slots(cache[name], target, value, layout=_layout(name))
         # The window branch reads only the last w + T - 1 slots.
         win_len = min(slots, c.window + seq - 1)
         start = jnp.clip(lengths - (c.window - 1), 0, slots - win_len)
-        # One contiguous [K,w',Dh] slice per row (take_along_axis' clamped gather cost 2x more).
-        window = jax.vmap(lambda a, s: jax.lax.dynamic_slice_in_dim(a, s, win_len, axis=1))
-        kv = {"cmp": (out["k_cmp"].astype(dt), out["v_cmp"].astype(dt)),
-              "slc": tuple(out[n] for n in names["slc"]),
-              "win": tuple(window(out[n], start).astype(dt) for n in names["win"])}
+        # One contiguous slice per row (take_along_axis' clamped gather cost 2x more).
+        def window(name):
+            axis = _layout(name).index("s") - 1
+            take = jax.vmap(lambda a, s: jax.lax.dynamic_slice_in_dim(a, s, win_len, axis))
+            return take(out[name], start).astype(dt)
+
+        kv = {"cmp": ("k_cmp", "v_cmp"), **names}
+        kv = {b: tuple(out[n].astype(dt) if b != "win" else window(n) for n in pair)
+              for b, pair in kv.items()}
         if seq > 1:  # a prefill chunk: the tiled kernels take [B,S,K,Dh]
-            kv = {b: tuple(a.swapaxes(1, 2) for a in pair) for b, pair in kv.items()}
+            seq_major = {"bkds": (0, 3, 1, 2), "bksd": (0, 2, 1, 3)}
+            kv = {b: tuple(a.transpose(seq_major[_layout(n)]) for a, n in zip(kv[b], pair))
+                  for b, pair in {"cmp": ("k_cmp", "v_cmp"), **names}.items()}
         y = self._branches(q, gates, kv, seq_len=slots, q_offset=lengths,
                            win_offset=lengths - start)
         return refuse_rows(y, fits), out
@@ -519,12 +542,13 @@ class NSAttention(nnx.Module):
         dtype = jnp.dtype(dtype or self.cfg.dtype)
         kv_shape = (self.cfg.n_kv_heads, self.cfg.resolved_head_dim)
         n_cmp = n_compressed(max_len, c.cmp_block_len, c.cmp_stride)
-        names = sorted({n for pair in _cache_keys(c.separate_kv).values() for n in pair})
         k, dh = kv_shape
-        cache = {n: jnp.zeros((batch, k, max_len, dh), dtype) for n in names}
+        names = sorted({n for pair in _cache_keys(c.separate_kv).values() for n in pair})
+        cache = {n: jnp.zeros((batch, k, dh, max_len) if _layout(n) == "bkds"
+                              else (batch, k, max_len, dh), dtype) for n in names}
         tail = (batch, _tail_len(c.cmp_block_len)) + kv_shape
         cache["k_src"], cache["v_src"] = jnp.zeros(tail, dtype), jnp.zeros(tail, dtype)
-        cache["k_cmp"] = jnp.zeros((batch, k, n_cmp, dh), dtype)
+        cache["k_cmp"] = jnp.zeros((batch, k, dh, n_cmp), dtype)  # _layout: transposed
         cache["v_cmp"] = jnp.zeros((batch, k, n_cmp, dh), dtype)
         cache["lengths"] = jnp.zeros((batch,), jnp.int32)
         return cache

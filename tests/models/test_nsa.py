@@ -72,9 +72,12 @@ def test_registered_shapes_dtypes_and_cache_layout():
         assert cache is None and y.shape == (B, T, CFG.d_model) and y.dtype == jnp.dtype(cfg.dtype)
         assert np.isfinite(np.asarray(y, np.float32)).all()
     cache = _layer().init_cache(3, 20)
-    assert cache["k_cmp"].shape == (3, 2, n_compressed(20, 4, 2), 8) == (3, 2, 9, 8)
+    assert cache["k_cmp"].shape == (3, 2, 8, n_compressed(20, 4, 2)) == (3, 2, 8, 9)
+    assert cache["v_cmp"].shape == (3, 2, 9, 8)
     assert {"k_src", "v_src", "k_slc", "v_slc", "k_win", "v_win", "lengths"} <= set(cache)
-    assert cache["k_slc"].shape == (3, 2, 20, 8) and cache["lengths"].dtype == jnp.int32
+    assert cache["k_slc"].shape == cache["v_slc"].shape == cache["v_win"].shape == (3, 2, 20, 8)
+    assert cache["k_win"].shape == (3, 2, 8, 20)  # keys read as one run per row: transposed
+    assert cache["lengths"].dtype == jnp.int32
     assert cache["k_src"].shape == (3, 3, 2, 8)  # the last l - 1 compression inputs
     shared = _layer(bf16_shared)
     assert shared.wk[...].shape == (32, 1, 2, 8)
@@ -159,10 +162,10 @@ def test_gradients_reach_every_parameter():
 
 @pytest.mark.parametrize("slots", [40, 37, 24])
 def test_decode_selection_matches_kernel_on_full_cache(slots):
-    """The decode step's selection branch over the head-major cache, by gathering the selected
-    blocks (40 and 37 slots > n*l' = 24; at 37 the last block is partial) or by masking a short
-    cache read whole (24 slots): with or without the query's own (partly written) block selected
-    it equals sparse_attention on the whole sequence-major cache."""
+    """The decode step's selection branch over the head-major cache, by
+    gathering the selected blocks (40 and 37 slots > n*l' = 24; at 37 the last block is partial)
+    or by masking a short cache read whole (24 slots): with or without the query's own (partly
+    written) block selected it equals sparse_attention on the whole sequence-major cache."""
     kq, kk, kv = jax.random.split(jax.random.key(8), 3)
     q = jax.random.normal(kq, (B, 1, 4, 8))
     k, v = (jax.random.normal(key, (B, slots, 2, 8)) for key in (kk, kv))
