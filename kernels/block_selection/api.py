@@ -26,6 +26,22 @@ def _positive_int(x, name: str, minimum: int = 1):
         raise ValueError(f"{_OP}: {name} must be an int >= {minimum}, got {x!r}")
 
 
+def _validate_geometry(seq_len, cmp_block_len, cmp_stride, block_size, n_selected, n_init,
+                       n_local, remap):
+    _positive_int(seq_len, "seq_len")
+    _positive_int(cmp_stride, "cmp_stride")
+    _positive_int(cmp_block_len, "cmp_block_len", cmp_stride)
+    _positive_int(block_size, "block_size")
+    _positive_int(n_selected, "n_selected")
+    _positive_int(n_init, "n_init", 0)
+    _positive_int(n_local, "n_local", 0)
+    if n_init + n_local > n_selected:
+        raise ValueError(f"{_OP}: n_init + n_local = {n_init + n_local} forced blocks exceed "
+                         f"n_selected={n_selected}; lower n_init/n_local or raise n_selected")
+    if remap not in REMAPS:
+        raise ValueError(f"{_OP}: remap must be one of {REMAPS}, got {remap!r}")
+
+
 def _validate(q, k_cmp, lse_cmp, seq_len, cmp_block_len, cmp_stride, block_size, n_selected,
               n_init, n_local, remap, scale, q_offset, q_segment_ids):
     for name, x, rank, layout in (("q", q, 4, "[B,T,Hq,Dk]"), ("k_cmp", k_cmp, 4, "[B,Sc,Hkv,Dk]"),
@@ -53,18 +69,8 @@ def _validate(q, k_cmp, lse_cmp, seq_len, cmp_block_len, cmp_stride, block_size,
             raise ValueError(f"{_OP}: {name}.dtype must be one of {_FLOAT_DTYPES}, got {x.dtype}")
     if k_cmp.dtype != q.dtype:
         raise ValueError(f"{_OP}: k_cmp.dtype {k_cmp.dtype} must match q.dtype {q.dtype}")
-    _positive_int(seq_len, "seq_len")
-    _positive_int(cmp_stride, "cmp_stride")
-    _positive_int(cmp_block_len, "cmp_block_len", cmp_stride)
-    _positive_int(block_size, "block_size")
-    _positive_int(n_selected, "n_selected")
-    _positive_int(n_init, "n_init", 0)
-    _positive_int(n_local, "n_local", 0)
-    if n_init + n_local > n_selected:
-        raise ValueError(f"{_OP}: n_init + n_local = {n_init + n_local} forced blocks exceed "
-                         f"n_selected={n_selected}; lower n_init/n_local or raise n_selected")
-    if remap not in REMAPS:
-        raise ValueError(f"{_OP}: remap must be one of {REMAPS}, got {remap!r}")
+    _validate_geometry(seq_len, cmp_block_len, cmp_stride, block_size, n_selected, n_init,
+                       n_local, remap)
     if remap == "eq9" and (cmp_block_len % cmp_stride or block_size % cmp_stride):
         raise ValueError(f"{_OP}: remap='eq9' needs cmp_stride | cmp_block_len and cmp_stride | "
                          f"block_size (got l={cmp_block_len}, d={cmp_stride}, l'={block_size}); "
@@ -242,18 +248,8 @@ def select_blocks_from_probs(group_probs, *, seq_len: int, cmp_block_len: int = 
         raise ValueError(f"select_blocks_from_probs: group_probs must be [B,T,Hkv,Sc], got "
                          f"shape {list(getattr(group_probs, 'shape', ()))}")
     b, t = group_probs.shape[:2]
-    _positive_int(seq_len, "seq_len")
-    _positive_int(cmp_stride, "cmp_stride")
-    _positive_int(cmp_block_len, "cmp_block_len", cmp_stride)
-    _positive_int(block_size, "block_size")
-    _positive_int(n_selected, "n_selected")
-    _positive_int(n_init, "n_init", 0)
-    _positive_int(n_local, "n_local", 0)
-    if n_init + n_local > n_selected:
-        raise ValueError(f"{_OP}: n_init + n_local = {n_init + n_local} forced blocks exceed "
-                         f"n_selected={n_selected}; lower n_init/n_local or raise n_selected")
-    if remap not in REMAPS:
-        raise ValueError(f"{_OP}: remap must be one of {REMAPS}, got {remap!r}")
+    _validate_geometry(seq_len, cmp_block_len, cmp_stride, block_size, n_selected, n_init,
+                       n_local, remap)
     rm = Remap(remap, int(cmp_block_len), int(cmp_stride), int(block_size))
     scores = xla_impl.block_scores_from_probs(jax.lax.stop_gradient(group_probs), rm, seq_len)
     off = jnp.zeros((b,), jnp.int32) if q_offset is None else jnp.asarray(q_offset, jnp.int32)
