@@ -105,9 +105,9 @@ _AXES: dict[tuple[str, str], tuple[str, ...]] = {
     ("*", "lengths"): ("batch",),
     ("dense", "k"): ("batch", "kv_heads", "head_dim", "slot"),
     ("dense", "v"): ("batch", "kv_heads", "slot", "head_dim"),
-    ("nsa", "k_win"): ("batch", "kv_heads", "head_dim", "slot"),
-    **{("nsa", n): ("batch", "kv_heads", "slot", "head_dim")
-       for n in ("k", "v", "k_slc", "v_slc", "v_win")},
+    ("nsa", "k_win"): ("batch", "kv_heads", "head_dim", "window"),
+    ("nsa", "v_win"): ("batch", "kv_heads", "window", "head_dim"),
+    **{("nsa", n): ("batch", "kv_heads", "slot", "head_dim") for n in ("k", "v", "k_slc", "v_slc")},
     ("nsa", "k_src"): ("batch", "cmp_tail", "kv_heads", "head_dim"),
     ("nsa", "v_src"): ("batch", "cmp_tail", "kv_heads", "head_dim"),
     ("nsa", "k_cmp"): ("batch", "kv_heads", "head_dim", "compressed"),
@@ -122,6 +122,8 @@ AXES_GLOSSARY = {
             "token at slot positions[b], and slots >= lengths[b] are unused",
     "lengths": "tokens written per row (the next decode position)",
     "kv_heads": "key/value head", "head_dim": "channel of a head",
+    "window": "NSA: the window branch's ring of W = min(window, max_len) slots: the token at "
+              "position p is in slot p mod W",
     "cmp_tail": "NSA: the last cmp_block_len - 1 un-rotated compression inputs of the row",
     "compressed": "NSA: compressed token i (raw tokens [i*cmp_stride, i*cmp_stride + "
                   "cmp_block_len))",

@@ -28,18 +28,21 @@ spans a document boundary gets kv segment id -1, so no query sees it. Blocks and
 out on the row index, like the kernels' positions.
 
 Cache (prefill / decode, see models/registry.py), head-major like the dense cache: raw K/V of the
-selection and window branches [B,K,S,Dh] (one pair when shared), the compression branch's last l - 1
-un-rotated inputs ("k_src"/"v_src" [B,l-1,K,Dh]), compressed K/V [B,K,C,Dh] (C = compressed tokens
-that fit in S), and lengths [B]. The window's and the compressed keys are stored transposed,
-[B,K,Dh,S] and [B,K,Dh,C] (_TRANSPOSED_KEYS): a decode step's logits over them are then a plain
-product, which XLA:CPU runs 1.5-2x faster for a few query rows than [S,Dh]^T. A call writes the T
-new tokens at each row's length, then compresses every block that these tokens complete (at most
-ceil(T/d) per row: a new compressed token every d tokens). A decode step reads the C compressed
-tokens, the n selected blocks (gathered) and the last w keys (a slice): O(S/d + n*l' + w) work, each
-read in the layout cached_attention takes. Sequence-major, every decode step copied the compressed
-and window keys and values into that layout (16 copies, ~1 ms of an nsa_tiny step at batch 8, 1K
-context); a prefill chunk, whose T queries share the copy, now transposes what the tiled kernels
-read instead.
+selection branch [B,K,S,Dh], the window branch's ring of W = min(w, S) slots [B,K,W,Dh] (the token
+at position p in slot p mod W; with separate_kv=False one K/V pair of S slots serves both branches),
+the compression branch's last l - 1 un-rotated inputs ("k_src"/"v_src" [B,l-1,K,Dh]), compressed
+K/V [B,K,C,Dh] (C = compressed tokens that fit in S), and lengths [B]. The window's and the
+compressed keys are stored transposed, [B,K,Dh,W] and [B,K,Dh,C] (_TRANSPOSED_KEYS): a decode
+step's logits over them are then a plain product, which XLA:CPU runs 1.5-2x faster for a few query
+rows than [S,Dh]^T. A call writes the T new tokens at each row's length (the window: its last W
+tokens into the ring), then compresses every block that these tokens complete (at most ceil(T/d)
+per row: a new compressed token every d tokens). A decode step reads the C compressed tokens, the
+n selected blocks (gathered) and the whole window ring (no copy; a shared cache: a slice of the
+last w keys): O(S/d + n*l' + w) work, each read in the layout cached_attention takes. The ring
+also keeps the window's memory at W slots instead of S (at 64K context and w = 512, about half
+of the cache). Sequence-major, every decode step copied the compressed and window keys and values
+into that layout (16 copies, ~1 ms of an nsa_tiny step at batch 8, 1K context); a prefill chunk,
+whose T queries share the copy, now transposes what the tiled kernels read instead.
 Pass the cache as a donated argument (or loop inside one jit) so the O(1) writes happen in place.
 """
 
@@ -219,7 +222,7 @@ def _attend_one(q, k, v, mask: AttentionMask, offset_b, **kwargs):
 
 
 # Key buffers stored transposed, [B,K,Dh,S]: those a decode step reads as one run per row (the
-# window slice, all compressed tokens). The selection keys stay [B,K,S,Dh]: gathering blocks of
+# window ring, all compressed tokens). The selection keys stay [B,K,S,Dh]: gathering blocks of
 # transposed keys was a gather fused with a transpose, 3-4x slower than the dot it sped up.
 _TRANSPOSED_KEYS = ("k_win", "k_cmp")
 
@@ -374,11 +377,13 @@ class NSAttention(nnx.Module):
         return apply_rope(out[0], end_positions_bj, self.cfg.rope_theta), out[1]
 
     def _branches(self, q, gates, kv: dict[str, tuple[jax.Array, jax.Array]], *, seq_len: int,
-                  q_offset=None, segment_ids=None, cmp_segment_ids=None, win_offset=None):
+                  q_offset=None, segment_ids=None, cmp_segment_ids=None, win_offset=None,
+                  win_segment_ids=None):
         """Gated sum [B,T,H,Dh] of the three branches. kv: branch -> (k, v) in the compute dtype,
         [B,S,K,Dh], or head-major [B,K,S,Dh] for a decode step (q_offset given, T = 1), where the
         compressed keys come transposed, [B,K,Dh,C]; seq_len: raw key length of the slc keys;
-        win_offset: q_offset for the window keys."""
+        win_offset: q_offset for the window keys; win_segment_ids: the window call's segment ids
+        when they differ from segment_ids (a prefill chunk over the window ring)."""
         c = self.cfg.nsa
         kernel = dict(implementation=c.implementation, interpret=c.interpret)
         decode = q_offset is not None and q.shape[1] == 1  # one query per row, no segments
@@ -412,7 +417,8 @@ class NSAttention(nnx.Module):
             o_win = _attend_one(q, k_win, v_win, win_mask, win_offset,
                                 keys_transposed=c.separate_kv)
         else:
-            o_win = flash_attention(q, k_win, v_win, mask=win_mask, segment_ids=segment_ids,
+            win_seg = segment_ids if win_segment_ids is None else win_segment_ids
+            o_win = flash_attention(q, k_win, v_win, mask=win_mask, segment_ids=win_seg,
                                     q_offset=win_offset, **kernel)
         g = gates.astype(q.dtype)
         return g[..., 0, None] * o_cmp + g[..., 1, None] * o_slc + g[..., 2, None] * o_win
@@ -492,8 +498,10 @@ class NSAttention(nnx.Module):
         n_cmp = cache["v_cmp"].shape[2]
         added, fits, write_at = cache_room(lengths, segment_ids, seq, slots)
         out = {"lengths": lengths + jnp.where(fits, added, 0)}
+        ring = c.separate_kv  # the window has its own buffers: a ring (_ring_window)
         for name in {n for pair in names.values() for n in pair}:
-            out[name] = write_cache(cache[name], new[name], write_at, layout=_layout(name))
+            if not (ring and name in names["win"]):
+                out[name] = write_cache(cache[name], new[name], write_at, layout=_layout(name))
         # Compression sources: the cached tail (rows [len - m, len)) followed by the new tokens;
         # index c of `src` is row len - m + c. Blocks end at rows e in [len, len + added) with
         # i*d + L - 1 = e (at most ceil(T / d) of them).
@@ -517,25 +525,65 @@ class NSAttention(nnx.Module):
         target = jnp.where(valid, idx_bj, n_cmp)  # out of range: dropped
         for name, value in (("k_cmp", k_new), ("v_cmp", v_new)):
             out[name] = scatter_slots(cache[name], target, value, layout=_layout(name))
-        # The window branch reads only the last w + T - 1 slots.
-        win_len = min(slots, c.window + seq - 1)
-        start = jnp.clip(lengths - (c.window - 1), 0, slots - win_len)
-        # One contiguous slice per row (take_along_axis' clamped gather cost 2x more).
-        def window(name):
-            axis = _layout(name).index("s") - 1
-            take = jax.vmap(lambda a, s: jax.lax.dynamic_slice_in_dim(a, s, win_len, axis))
-            return take(out[name], start).astype(dt)
-
-        kv = {"cmp": ("k_cmp", "v_cmp"), **names}
-        kv = {b: tuple(out[n].astype(dt) if b != "win" else window(n) for n in pair)
-              for b, pair in kv.items()}
+        kv = {b: tuple(out[n].astype(dt) for n in pair)
+              for b, pair in {"cmp": ("k_cmp", "v_cmp"), "slc": names["slc"]}.items()}
+        win_seg = None
+        if ring:
+            ring_out, kv["win"], win_offset, win_seg = self._ring_window(cache, new, lengths,
+                                                                         added, fits)
+            out.update(ring_out)
+        else:  # the window branch reads only the last w + T - 1 slots of the shared cache
+            win_len = min(slots, c.window + seq - 1)
+            start = jnp.clip(lengths - (c.window - 1), 0, slots - win_len)
+            # One contiguous slice per row (take_along_axis' clamped gather cost 2x more).
+            take = jax.vmap(lambda a, s: jax.lax.dynamic_slice_in_dim(a, s, win_len, 1))
+            kv["win"] = tuple(take(out[n], start).astype(dt) for n in names["win"])
+            win_offset = lengths - start
         if seq > 1:  # a prefill chunk: the tiled kernels take [B,S,K,Dh]
             seq_major = {"bkds": (0, 3, 1, 2), "bksd": (0, 2, 1, 3)}
             kv = {b: tuple(a.transpose(seq_major[_layout(n)]) for a, n in zip(kv[b], pair))
                   for b, pair in {"cmp": ("k_cmp", "v_cmp"), **names}.items()}
-        y = self._branches(q, gates, kv, seq_len=slots, q_offset=lengths,
-                           win_offset=lengths - start)
+        y = self._branches(q, gates, kv, seq_len=slots, q_offset=lengths, win_offset=win_offset,
+                           win_segment_ids=win_seg)
         return refuse_rows(y, fits), out
+
+    def _ring_window(self, cache, new, lengths, added, fits):
+        """The window branch over its ring of W slots (position p in slot p mod W; W <= w):
+        (the written ring buffers, the keys and values this call attends to in their cache
+        layouts, their q_offset, their (q, kv) segment ids or None).
+
+        A decode step attends to the whole ring as it is stored, no copy: after the write it
+        holds exactly the last min(W, length + 1) positions, all inside the window, and slot j
+        is written once j <= length (q_offset min(length, W - 1) under the window mask). A
+        prefill chunk of T tokens attends to the ring before its write, gathered into position
+        order (positions length - W ... length - 1), followed by the chunk's own T keys: q_offset
+        W, and kv segment id -1 on the slots of negative positions (not yet written)."""
+        dt = jnp.dtype(self.cfg.dtype)
+        names = ("k_win", "v_win")
+        ring = cache["v_win"].shape[2]
+        seq = new["v_win"].shape[1]
+        t = jnp.arange(seq, dtype=jnp.int32)[None, :]
+        # Only each row's last W real tokens are written: earlier ones would share their slots,
+        # and a scatter's order among duplicate indices is undefined (XLA:CPU happens to keep
+        # the last one, so no test on this machine can tell).
+        keep = fits[:, None] & (t < added[:, None]) & (t >= added[:, None] - ring)
+        target = jnp.where(keep, (lengths[:, None] + t) % ring, ring)  # out of range: dropped
+        out = {n: scatter_slots(cache[n], target, new[n], layout=_layout(n)) for n in names}
+        if seq == 1:
+            kv = tuple(out[n].astype(dt) for n in names)
+            return out, kv, jnp.minimum(lengths, ring - 1), None
+        s = jnp.arange(ring, dtype=jnp.int32)[None, :]
+        order = (lengths[:, None] + s) % ring  # [B,W]: slot of position length - W + s
+        kv = []
+        for n in names:
+            axis = _layout(n).index("s")
+            idx = jnp.expand_dims(order, [a for a in (1, 2, 3) if a != axis])
+            old = jnp.take_along_axis(cache[n], idx, axis=axis)
+            chunk = new[n].transpose((0, 2, 3, 1) if axis == 3 else (0, 2, 1, 3))
+            kv.append(jnp.concatenate([old.astype(dt), chunk.astype(dt)], axis=axis))
+        q_seg = jnp.zeros((lengths.shape[0], seq), jnp.int32)
+        kv_seg = jnp.concatenate([jnp.where(lengths[:, None] - ring + s >= 0, 0, -1), q_seg], 1)
+        return out, tuple(kv), jnp.full_like(lengths, ring), (q_seg, kv_seg)
 
     def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> NSACache:
         c = self.cfg.nsa
@@ -544,8 +592,10 @@ class NSAttention(nnx.Module):
         n_cmp = n_compressed(max_len, c.cmp_block_len, c.cmp_stride)
         k, dh = kv_shape
         names = sorted({n for pair in _cache_keys(c.separate_kv).values() for n in pair})
-        cache = {n: jnp.zeros((batch, k, dh, max_len) if _layout(n) == "bkds"
-                              else (batch, k, max_len, dh), dtype) for n in names}
+        ring = min(c.window, max_len)  # the window's ring (_ring_window)
+        slots = {n: ring if n in ("k_win", "v_win") else max_len for n in names}
+        cache = {n: jnp.zeros((batch, k, dh, slots[n]) if _layout(n) == "bkds"
+                              else (batch, k, slots[n], dh), dtype) for n in names}
         tail = (batch, _tail_len(c.cmp_block_len)) + kv_shape
         cache["k_src"], cache["v_src"] = jnp.zeros(tail, dtype), jnp.zeros(tail, dtype)
         cache["k_cmp"] = jnp.zeros((batch, k, dh, n_cmp), dtype)  # _layout: transposed

@@ -117,7 +117,9 @@ def test_runner_in_a_fresh_process_generates_the_live_models_tokens(exported, tm
     buffers = {b["name"]: b for b in manifest["cache"]["buffers"]}
     assert buffers["cache.0.0.k_slc"]["shape"] == ["b", 1, 64, 16]
     assert buffers["cache.0.0.k_slc"]["axes"] == ["batch", "kv_heads", "slot", "head_dim"]
-    assert buffers["cache.0.0.k_win"]["axes"] == ["batch", "kv_heads", "head_dim", "slot"]
+    assert buffers["cache.0.0.k_win"]["axes"] == ["batch", "kv_heads", "head_dim", "window"]
+    assert buffers["cache.0.0.v_win"]["axes"] == ["batch", "kv_heads", "window", "head_dim"]
+    assert buffers["cache.0.0.v_win"]["shape"] == ["b", 1, 16, 16]  # a ring of min(16, 64) slots
     assert buffers["cache.0.0.k_cmp"]["shape"] == ["b", 1, 16, 15]  # (64 - 8) // 4 + 1
     assert buffers["cache.0.0.lengths"] == {**buffers["cache.0.0.lengths"], "shape": ["b"],
                                             "dtype": "int32", "layer": 0, "mixer": "nsa"}

@@ -75,8 +75,10 @@ def test_registered_shapes_dtypes_and_cache_layout():
     assert cache["k_cmp"].shape == (3, 2, 8, n_compressed(20, 4, 2)) == (3, 2, 8, 9)
     assert cache["v_cmp"].shape == (3, 2, 9, 8)
     assert {"k_src", "v_src", "k_slc", "v_slc", "k_win", "v_win", "lengths"} <= set(cache)
-    assert cache["k_slc"].shape == cache["v_slc"].shape == cache["v_win"].shape == (3, 2, 20, 8)
-    assert cache["k_win"].shape == (3, 2, 8, 20)  # keys read as one run per row: transposed
+    assert cache["k_slc"].shape == cache["v_slc"].shape == (3, 2, 20, 8)
+    # The window's ring of W = min(window, max_len) slots; its keys transposed (one run per row)
+    assert cache["v_win"].shape == (3, 2, 6, 8) and cache["k_win"].shape == (3, 2, 8, 6)
+    assert _layer().init_cache(1, 4)["v_win"].shape == (1, 2, 4, 8)
     assert cache["lengths"].dtype == jnp.int32
     assert cache["k_src"].shape == (3, 3, 2, 8)  # the last l - 1 compression inputs
     shared = _layer(bf16_shared)
