@@ -439,12 +439,15 @@ class NSAttention(nnx.Module):
             vis = chosen & (slot[None, :] <= lengths[:, None])[:, None, :]  # [B,K,S]
             return cached_attention(q, k, v, vis[:, :, None, :])
         starts = jnp.clip(idx * size, 0, slots - size)  # [B,K,n]
-        # Per (row, head, block) one dynamic slice of l' slots: a gather of contiguous rows
-        # (take_along_axis on slot indices was a clamped element gather, 2x slower here).
-        take = jax.vmap(lambda a, s: jax.lax.dynamic_slice_in_dim(a, s, size), (None, 0))
-        take = jax.vmap(jax.vmap(take))
-        k_sel, v_sel = (take(a, starts).reshape(batch, kv_heads, -1, a.shape[-1])
-                        for a in (k, v))
+        # Per (row, head, block) one slice of l' contiguous slots, in bounds by the clip above
+        # (take_along_axis on slot indices was a clamped element gather, 2x slower here; vmapped
+        # dynamic slices clamp their starts again).
+        dims = jax.lax.GatherDimensionNumbers(offset_dims=(3, 4), collapsed_slice_dims=(),
+                                              start_index_map=(2,), operand_batching_dims=(0, 1),
+                                              start_indices_batching_dims=(0, 1))
+        k_sel, v_sel = (jax.lax.gather(a, starts[..., None], dims, (1, 1, size, a.shape[-1]),
+                                       mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+                        .reshape(batch, kv_heads, -1, a.shape[-1]) for a in (k, v))
         pos = starts[..., None] + jnp.arange(size, dtype=jnp.int32)  # [B,K,n,P]
         vis = ((pos // size == idx[..., None]) & (pos <= lengths[:, None, None, None]))
         return cached_attention(q, k_sel, v_sel, vis.reshape(batch, kv_heads, 1, -1))
