@@ -206,12 +206,14 @@ def _model(cfg=CFG):
     return Transformer(cfg, rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("separate_kv", [True, False])
-def test_prefill_then_decode_equals_forward(separate_kv):
+@pytest.mark.parametrize("separate_kv,chunk", [(True, 8), (False, 8), (True, 3)])
+def test_prefill_then_decode_equals_forward(separate_kv, chunk):
     """Right-padded prompts of lengths 5 and 13 prefilled in chunks of 8 (several new tokens per
     call at nonzero lengths, one all-padding chunk), then token-by-token decoding up to 48 tokens:
     crosses many compression (stride 2) and selection (8) block boundaries and the window (6).
-    Both cache layouts: K/V per branch, and one K/V shared by the selection and window branches."""
+    Both cache layouts: K/V per branch (the window in a ring of 6 slots: a chunk of 8 writes only
+    its last 6 tokens; chunks of 3 start inside a partly written ring), and one K/V shared by the
+    selection and window branches."""
     model = _model(dataclasses.replace(CFG, nsa=dataclasses.replace(NSA, separate_kv=separate_kv)))
     total = 48
     tokens = jax.random.randint(jax.random.key(5), (B, total), 1, CFG.vocab_size)
@@ -219,7 +221,7 @@ def test_prefill_then_decode_equals_forward(separate_kv):
     lengths = np.array([5, 13])
     prompt = np.where(np.arange(16)[None, :] < lengths[:, None], np.asarray(tokens[:, :16]), 0)
     logits, cache = prefill(model, jnp.asarray(prompt), jnp.asarray(lengths), total,
-                            chunk_size=8)
+                            chunk_size=chunk)
     rows = np.arange(B)
     errs = [np.abs(np.asarray(logits) - np.asarray(full)[rows, lengths - 1]).max()]
     pos = lengths.copy()
