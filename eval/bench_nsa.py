@@ -14,7 +14,9 @@ memory is the compiled program's memory_analysis (arguments + outputs + temporar
 layer runs through the chunked flash_attention kernel (model.dense.kernel="flash_attention", the
 faster dense path on the CPU at every length measured); --dense-kernel auto uses
 jax.nn.dot_product_attention instead where its [B,H,T,T] float32 logits fit in --dense-max-gb.
-Each row names the dense attention it used.
+Each row names the dense attention it used. With decode, the same invocation also measures the
+copy bandwidth (a jitted copy of COPY_BYTES) and prints each decode step against the time its
+cache bytes take at that rate (issue 26, item 5: NSA at 16K within 1.2x of it).
 
 --torch-nsa: also times the PyTorch NSA module a researcher would pick instead on a CPU,
 lucidrains' native-sparse-attention-pytorch (`SparseAttention`, causal, the same width, heads,
@@ -95,6 +97,25 @@ def _compile(jitted, *args):
     total = (ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
              - getattr(ma, "alias_size_in_bytes", 0))
     return compiled, int(total)
+
+
+COPY_BYTES = 64 * 2 ** 20
+
+
+def copy_bandwidth(repeats: int = 9) -> float:
+    """Bytes per second of a jitted float32 copy (x + 1, which XLA cannot elide) of COPY_BYTES
+    into its own donated buffer (as a decode step updates its donated cache: a fresh output
+    buffer would time the page faults of its first touch): each byte read once and written once,
+    counted once. A decode step only reads its cache, so its bytes at this rate are a
+    conservative floor on its time."""
+    f = jax.jit(lambda a: a + 1.0, donate_argnums=0)
+    holder = [jnp.zeros((COPY_BYTES // 4,), jnp.float32)]
+
+    def step():
+        holder[0] = f(holder[0])
+        return holder[0]
+
+    return COPY_BYTES / _median_time(step, repeats)
 
 
 # Theoretical costs ------------------------------------------------------------------------------
@@ -269,6 +290,7 @@ def run_layer(args) -> dict[str, Any]:
     nsa = _nsa_config(args.nsa, args.implementation)
     key = jax.random.key(0)
     rows = []
+    copy_bytes_s = copy_bandwidth() if "decode" in ops else None
     for seq in lengths:
         cfg = ModelConfig(vocab_size=256, d_model=args.d_model, n_heads=args.heads,
                           n_kv_heads=args.kv_heads, n_layers=1, mixers=("nsa",), nsa=nsa,
@@ -297,7 +319,7 @@ def run_layer(args) -> dict[str, Any]:
             "config": {"batch": args.batch, "d_model": args.d_model, "heads": args.heads,
                        "kv_heads": args.kv_heads, "dtype": args.dtype,
                        "nsa": dataclasses.asdict(nsa)},
-            "rows": rows}
+            "copy_bytes_per_s": copy_bytes_s, "rows": rows}
 
 
 def _ratio(a, b) -> str:
@@ -340,6 +362,19 @@ def layer_markdown(result: dict[str, Any]) -> str:
                 ts = tn.get(key)
                 line += f" {'-' if ts is None else f'{ts:.4f}'} | {_ratio(ts, ns)} |"
             lines.append(line)
+    bw = result.get("copy_bytes_per_s")
+    decoded = [t for t in lengths if by[("nsa", t)].get("decode_s") is not None]
+    if bw and decoded:
+        lines += ["", f"decode step / its cache bytes at the measured copy bandwidth "
+                      f"({bw / 1e9:.1f} GB/s, a jitted copy of {COPY_BYTES // 2 ** 20} MiB):", ""]
+        for t in decoded:
+            parts = []
+            for kind in ("dense", "nsa"):
+                r = by[(kind, t)]
+                floor = r["bytes_decode"] / bw
+                parts.append(f"{kind} {r['decode_s'] * 1e3:.2f} ms / {floor * 1e3:.2f} ms = "
+                             f"{r['decode_s'] / floor:.2f}x")
+            lines.append(f"- T={t}: " + "; ".join(parts))
     return "\n".join(lines) + "\n"
 
 

@@ -100,6 +100,14 @@ def test_bench_nsa_layer_table_ratios():
     assert "| 8192 | forward | 4.0000 | 1.0000 | 4.0x | 4.0x | 1.00 |" in md
     assert "| 8192 | fwd+bwd | 12.0000 | 4.0000 | 3.0x | 4.0x | 0.75 |" in md
     assert md.rstrip().splitlines()[-1].endswith("| 60.0000 | 15.0x |")
+    # decode steps against their cache bytes at the invocation's copy bandwidth
+    rows[0].update(decode_s=0.004, bytes_decode=2e7)
+    rows[1].update(decode_s=0.0006, bytes_decode=2e6)
+    md = bench_nsa.layer_markdown({"device": "cpu", "date": "d", "config": {}, "rows": rows,
+                                   "copy_bytes_per_s": 5e9})
+    assert md.rstrip().splitlines()[-1] == (
+        "- T=8192: dense 4.00 ms / 4.00 ms = 1.00x; nsa 0.60 ms / 0.40 ms = 1.50x")
+    assert 1e8 < bench_nsa.copy_bandwidth(repeats=1) < 1e12
 
 
 @pytest.mark.parametrize("step", ["train", "eval", "decode"])
