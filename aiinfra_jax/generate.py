@@ -176,18 +176,20 @@ def decode_step(model: nnx.Module, cache: Any, tokens: jax.Array,
                         jnp.asarray(positions, jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6, 7, 8, 9))
+@functools.partial(jax.jit, static_argnums=(0, 5, 6, 7, 8, 9), static_argnames=("vocab",))
 def decode_loop(graphdef, state, cache, first_logits, positions_b, max_new: int,
-                temperature: float, top_p: float, eos_id: int | None, pad_id: int, rng):
+                temperature: float, top_p: float, eos_id: int | None, pad_id: int, rng, *,
+                vocab: int | None = None):
     """The compiled decode loop of `generate` after a prefill: (tokens [B,N], generated lengths
     [B], finished [B]); positions_b: the first generated token's positions (the prompt lengths,
-    or an MSA query's offset plus them)."""
+    or an MSA query's offset plus them). vocab: pick among ids < vocab only (a tokenizer's ids,
+    when the model's vocabulary is padded past them); None = every id."""
     model = inference_model(graphdef, state)
     batch = first_logits.shape[0]
 
     def pick(logits, step):
         key = None if rng is None else jax.random.fold_in(rng, step)
-        return sample(logits, key, temperature, top_p)
+        return sample(logits if vocab is None else logits[:, :vocab], key, temperature, top_p)
 
     def is_eos(tok):
         return jnp.zeros_like(tok, jnp.bool_) if eos_id is None else tok == eos_id

@@ -370,8 +370,14 @@ def markdown_table(result: dict[str, Any]) -> str:
                          f"{(tm.get('decode_tokens_per_s') or 0):.0f} tokens/s"
                          + (f"; teacher-forced answer scores {tm['answer_scores_s']:.2f} s"
                             if tm.get("answer_scores_s") else "")
-                         + (f" (compilation warm-up {tm['warmup_s']:.1f} s excluded)."
+                         + (f" (the first batch of each of {tm['warmup_calls']} compiled "
+                            f"shapes, {tm['warmup_s']:.1f} s with its compilation, excluded)."
                             if tm.get("warmup_s") else "."))
+        elif tm.get("warmup_calls"):
+            lines.append(f"No rates: every batch was the first of its compiled shape "
+                         f"({tm['warmup_calls']} shapes, {tm['warmup_s']:.1f} s with compilation). "
+                         "More examples per length give timed batches; --no-warmup times them all, "
+                         "compilation included.")
     return "\n".join(lines) + "\n"
 
 
@@ -469,7 +475,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--prefill-chunk", type=int, default=None)
-    ap.add_argument("--no-warmup", action="store_true", help="include compilation in the timings")
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="rates over every batch, compilation included (default: the first batch "
+                         "of each compiled shape is timed apart)")
     ap.add_argument("--no-teacher-forced", action="store_true",
                     help="skip the teacher-forced answer NLL / token accuracy (one forward pass "
                          "per batch)")

@@ -41,14 +41,22 @@ def test_tiny_model_end_to_end_writes_all_outputs(tmp_path):
     assert set(saved["accuracy"]["niah_single_1"]) == {"320", "400", "mean"}
     assert saved["niah_average"] is not None and saved["meta"] == {"what": "test"}
     t = res["timing"]
-    # Batches mix the tasks of one length: 8 prompts per length -> 3 batches of 3 (the last padded).
-    assert t["prefill_tokens"] == 3 * 3 * 320 + 3 * 3 * 400
+    # Batches mix the tasks of one length: 8 prompts per length -> 3 batches of 3 (the last
+    # padded), one compiled shape per length (the answers are padded to the length's decode
+    # budget); the first batch of each shape is timed apart, the other two enter the rates.
+    assert t["warmup_calls"] == 2 and t["warmup_s"] > 0
+    assert t["prefill_tokens"] == 2 * 3 * 320 + 2 * 3 * 400
     assert t["prefill_tokens_per_s"] > 0
     # A random model whose first greedy token is EOS for every prompt decodes nothing further.
     eos_first = all(json.loads(x)["generated_tokens"] == 1 for x in lines)
     assert eos_first or (t["decode_tokens"] > 0 and t["decode_tokens_per_s"] > 0)
     md = (tmp_path / "results.md").read_text()
     assert "| niah_single_1 |" in md and "NIAH average" in md and "tokens/s" in md
+    assert "the first batch of each of 2 compiled shapes" in md
+    # When every batch is the first of its shape there is no rate to print: it says so.
+    untimed = dict(res, timing=dict(t, prefill_s=0.0, prefill_tokens_per_s=None))
+    assert "No rates: every batch was the first of its compiled shape (2 shapes" in (
+        lc.markdown_table(untimed))
     for task in cfg.tasks + ("niah_average",):
         png = (tmp_path / f"heatmap_{task}.png").read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
