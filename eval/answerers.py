@@ -56,6 +56,7 @@ class ModelAnswerer:
         # slice them inside every step's program (Transformer.unscanned).
         unscanned = getattr(model, "unscanned", None)
         self._decoder = model if unscanned is None else unscanned()
+        self._graphdef, self._state = nnx.split(self._decoder)  # once: every call's programs
         self.prefill_chunk, self.warmup = prefill_chunk, warmup
         cfg = getattr(model, "cfg", None)
         self.max_seq_len = getattr(cfg, "max_seq_len", None)
@@ -88,32 +89,29 @@ class ModelAnswerer:
 
     def _score(self, logits, cache, lengths, answers: np.ndarray, counts: np.ndarray
                ) -> list[tuple[float, float]]:
-        graphdef, state = nnx.split(self._decoder)
-        nll, hit = _answer_scores(graphdef, state, cache, logits, jnp.asarray(answers),
+        nll, hit = _answer_scores(self._graphdef, self._state, cache, logits, jnp.asarray(answers),
                                   jnp.asarray(lengths), self.vocab)
         nll, hit = np.asarray(nll), np.asarray(hit)
         return [(float(nll[b, :n].mean()), float(hit[b, :n].mean()))
                 for b, n in enumerate(counts.tolist())]
 
-    def _run(self, tokens: np.ndarray, lengths: np.ndarray, max_new: int, timed: bool,
+    def _run(self, tokens: np.ndarray, lengths: np.ndarray, max_new: int, room: int, timed: bool,
              answers: tuple[np.ndarray, np.ndarray] | None = None
              ) -> tuple[list[list[int]], list[tuple[float, float]] | None]:
         """(greedy continuations, teacher-forced scores of `answers` or None); `timed` says whether
         the call enters the rates. The scores come from the prompts' prefill cache before
-        decoding starts (see teacher_forced)."""
+        decoding starts (see teacher_forced). room: cache slots past the prompt."""
         batch = tokens.shape[0]
-        eos = self.tokenizer.eos_id
         t0 = time.perf_counter()
-        room = max_new if answers is None else max(max_new, answers[0].shape[1])
         logits, cache = self._prefill(tokens, lengths, room)
         jax.block_until_ready((logits, cache))  # dispatch is asynchronous: end the prefill here
         t1 = time.perf_counter()
         scores = None if answers is None else self._score(logits, cache, lengths, *answers)
         t1s = time.perf_counter()
         # One compiled loop of greedy steps (generate's), ending when every row has emitted EOS.
-        graphdef, state = nnx.split(self._decoder)
-        out, n_out, _ = decode_loop(graphdef, state, cache, logits, jnp.asarray(lengths, jnp.int32),
-                                    max_new, 0.0, 1.0, eos, int(self.tokenizer.pad_id), None,
+        out, n_out, _ = decode_loop(self._graphdef, self._state, cache, logits,
+                                    jnp.asarray(lengths, jnp.int32), max_new, 0.0, 1.0,
+                                    self.tokenizer.eos_id, int(self.tokenizer.pad_id), None,
                                     vocab=self.vocab)
         out, n_out = np.asarray(out), np.asarray(n_out)
         steps = int(n_out.max()) - 1  # decode steps run: the loop stops when the last row ends
@@ -124,11 +122,8 @@ class ModelAnswerer:
             self.timing["answer_scores_s"] += t1s - t1
             self.timing["decode_s"] += t2 - t1s
             self.timing["decode_tokens"] += int(batch * steps)
-        rows = []
-        for b in range(batch):
-            row = out[b].tolist()
-            rows.append(row[:row.index(eos) + 1] if eos in row else row)
-        return rows, scores
+        # Each row's tokens up to its EOS included (the loop pads after it).
+        return [out[b, :n].tolist() for b, n in enumerate(n_out.tolist())], scores
 
     def _prompts(self, examples: Sequence[Example], room: int) -> tuple[np.ndarray, np.ndarray]:
         """(prompts [B,T] right-padded, lengths [B]); T is the longest prompt rounded up to a
@@ -158,7 +153,8 @@ class ModelAnswerer:
         first = self.warmup and shape not in self._seen
         self._seen.add(shape)
         t = time.perf_counter()
-        rows, scores = self._run(tokens, lengths, max_new_tokens, timed=not first, answers=answers)
+        rows, scores = self._run(tokens, lengths, max_new_tokens, room, timed=not first,
+                                 answers=answers)
         if first:
             self.timing["warmup_s"] += time.perf_counter() - t
             self.timing["warmup_calls"] += 1
