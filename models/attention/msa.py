@@ -135,7 +135,8 @@ class MSAConfig:
     reductions of the routing score (module docstring); query_offset: first position of the
     query segment (None = top_k; used by batch builders, see pack_row); temperature: initial
     InfoNCE temperature (a learned scalar, clamped to [0.001, 0.5] at use); router_rope: whether
-    the routing projections are rotated like q and k (an ablation when False, see the field).
+    the routing projections are rotated like q and k (an ablation when False, see the field);
+    router_stop_gradient: whether the routing loss stops at the router's projections (the field).
     """
 
     chunk: int = 64
@@ -153,6 +154,11 @@ class MSAConfig:
     # long as the needle's scores like it by position alone (eval/BENCHMARKS.md "MSA"). An
     # ablation added here; q, k and the reading attention keep RoPE either way.
     router_rope: bool = True
+    # Training: the routing projections read a stop-gradient copy of the layer's input, so the
+    # routing loss trains router_q, router_k and the temperature only, and the representations
+    # the reading attention shares are shaped by the LM loss alone (a heavier routing loss was
+    # seen to trade reading for ranking, eval/BENCHMARKS.md "MSA"). Forward values unchanged.
+    router_stop_gradient: bool = runtime_field(False)
     routing_loss_weight: float = runtime_field(0.1)
     # InfoNCE over documents: "joint" (all positives against all documents) or "decoupled" (each
     # positive against the negatives only); the same with one positive (msa_routing.infonce).
@@ -184,8 +190,10 @@ class MSAConfig:
         m = self.memory_negatives
         if not isinstance(m, int) or isinstance(m, bool) or m < 0:
             raise ValueError(f"MSAConfig.memory_negatives={m!r}: must be an int >= 0")
-        if not isinstance(self.router_rope, bool):
-            raise ValueError(f"MSAConfig.router_rope={self.router_rope!r}: must be True or False")
+        for name in ("router_rope", "router_stop_gradient"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"MSAConfig.{name}={getattr(self, name)!r}: must be True or "
+                                 "False")
         kv = self.kv_chunk
         if kv is not None and (not isinstance(kv, int) or isinstance(kv, bool) or kv <= 0):
             raise ValueError(f"MSAConfig.kv_chunk={kv!r}: must be a positive int, or None (= "
@@ -317,12 +325,15 @@ class MSAttention(nnx.Module):
 
     def _project(self, x_btd: jax.Array, positions_bt: jax.Array) -> dict[str, jax.Array]:
         """q, q_route [B,T,H,Dh] and k, k_route, v [B,T,K,Dh] in the compute dtype; q and k
-        rotated at positions, q_route and k_route too unless MSAConfig.router_rope is False."""
+        rotated at positions, q_route and k_route too unless MSAConfig.router_rope is False;
+        q_route and k_route from a stop-gradient input if MSAConfig.router_stop_gradient."""
         dt = jnp.dtype(self.cfg.dtype)
         x = x_btd.astype(dt)
-        out = {name: jnp.einsum("btd,dhk->bthk", x, getattr(self, w)[...].astype(dt))
-               for name, w in (("q", "wq"), ("k", "wk"), ("v", "wv"), ("q_route", "router_q"),
-                               ("k_route", "router_k"))}
+        x_route = jax.lax.stop_gradient(x) if self.cfg.msa.router_stop_gradient else x
+        out = {name: jnp.einsum("btd,dhk->bthk", src, getattr(self, w)[...].astype(dt))
+               for name, w, src in (("q", "wq", x), ("k", "wk", x), ("v", "wv", x),
+                                    ("q_route", "router_q", x_route),
+                                    ("k_route", "router_k", x_route))}
         rotated = ("q", "k") + (("q_route", "k_route") if self.cfg.msa.router_rope else ())
         for name in rotated:
             out[name] = apply_rope(out[name], positions_bt, self.cfg.rope_theta)

@@ -472,6 +472,30 @@ def test_gradients_reach_router_and_pooled_document_kv():
     assert np.abs(np.asarray(gw.wk[...])).max() > 0 and np.abs(np.asarray(gw.wv[...])).max() > 0
 
 
+def test_router_stop_gradient_keeps_the_routing_loss_in_the_router():
+    """router_stop_gradient: same forward and the same router gradients, but the routing loss no
+    longer reaches the layer's input (it does without the option); the query's loss still does."""
+    layer = _layer()
+    cfg = dataclasses.replace(layer.cfg, msa=dataclasses.replace(layer.cfg.msa,
+                                                                 router_stop_gradient=True))
+    detached = MSAttention(cfg, rngs=nnx.Rngs(0), layer_index=1)
+    x = _x(8)
+    np.testing.assert_array_equal(np.asarray(_apply(detached, x, POS, SEG)),
+                                  np.asarray(_apply(layer, x, POS, SEG)))
+    (g, gx), (gd, gxd) = (_routing_grads(m, x) for m in (layer, detached))
+    assert np.abs(np.asarray(gx)).max() > 0 and np.abs(np.asarray(gxd)).max() == 0
+    for name in ("router_q", "router_k", "temperature"):
+        np.testing.assert_allclose(np.asarray(getattr(gd, name)[...]),
+                                   np.asarray(getattr(g, name)[...]), rtol=1e-6, atol=1e-8)
+    _, (_, gq) = _grads(detached, x)
+    assert np.abs(np.asarray(gq)).max() > 0
+
+
+@nnx.jit
+def _routing_grads(layer, x):
+    return nnx.grad(_routing_loss, argnums=(0, 1))(layer, x)
+
+
 @pytest.mark.parametrize("kv_chunk", [None, 1])
 def test_memory_negatives_read_the_other_rows_best_document(kv_chunk):
     """memory_negatives=1: row 0's query reads its own selected documents plus the other row's
@@ -543,6 +567,7 @@ def test_transformer_forward_backward_with_dense_and_msa():
     (dict(query_reduce="first"), "query_reduce"), (dict(temperature=0.9), "temperature"),
     (dict(routing_loss_form="coupled"), "routing_loss_form"),
     (dict(memory_negatives=-1), "memory_negatives"), (dict(router_rope=1), "router_rope"),
+    (dict(router_stop_gradient=1), "router_stop_gradient"),
     (dict(routing_layers=(-1,)), "routing_layers"), (dict(implementation="cuda"),
                                                      "implementation")])
 def test_config_validation_names_the_field(kwargs, field):
