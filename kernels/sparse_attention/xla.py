@@ -3,7 +3,7 @@
 Letters: B batch, T query tokens, S key tokens, Hkv KV heads, G query heads per KV head
 (Hq = G * Hkv), Dk / Dv head dims, n block slots, P = block_size keys per block,
 NB = ceil(S / P) key blocks per (batch, KV head), R = B * T * Hkv query rows (one row = the G query
-heads of one KV-head group at one token), E = entries per tile.
+heads of one KV-head group at one token), E = entries per tile (per shape: tuning.xla_tile_size).
 
 Inputs are the normalized ones built by api.py: `idx` [B,T,Hkv,n] int32 holds unique block ids in
 [0, NB) or -1 (uniqueness is required: a tile's scatters assume each row appears once in it);
@@ -19,10 +19,13 @@ key / value elements per entry), and dK / dV of the tile's block are two dense m
 in place (no per-entry scatter).
 
 Forward: an online softmax over the tiles, keeping float32 (o, m, l) per query row; a row appears at
-most once in a tile (indices are unique per row), so each tile gathers and writes back its rows.
-Backward: the same tiles; dQ rows are scatter-added (unique rows), dK / dV per block accumulated.
+most once in a tile (indices are unique per row). Each loop step takes C tiles at once (one batched
+matmul; C from tuning.xla_step_scores, so small tiles do not leave the loop's per-step overhead in
+charge), where a row can recur across tiles: the step scatter-maxes its rows' maxima, rescales
+each row once (duplicate writes carry equal values) and scatter-adds the tiles' sums.
+Backward: the same steps; dQ rows are scatter-added, dK / dV per block accumulated.
 Empty slots (-1) make no entry, so they cost nothing. Both passes loop (lax.fori_loop with a traced
-trip count) over the tiles in use only.
+trip count) over the steps in use only.
 
 Live memory: the float32 accumulators (R * G * Dv for o, R * G * Dk for dQ, dK / dV like K / V) plus
 the tile plan (about B * T * Hkv * n int32).
@@ -33,7 +36,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .tuning import TUNING
+from .tuning import TUNING, xla_tile_size
 
 
 def _precision(dtype):
@@ -62,20 +65,22 @@ def _unblocks(xb: jax.Array, B: int, S: int, H: int) -> jax.Array:
 
 
 class _Plan:
-    """Entries sorted by key block and cut into tiles of E entries of one block each.
+    """Entries sorted by key block and cut into tiles of E entries of one block each, C tiles per
+    loop step.
 
     rows    [NT * E] int32: query row of each tile slot; padding slots hold R + slot (unique, out
             of range, so scatters drop them and the per-tile indices stay sorted and unique).
     blocks  [NT] int32: the global key block (b, h, block) of each tile.
     used    int32 scalar: number of tiles in use (the rest are padding).
+    steps   int32 scalar: loop steps of C tiles that cover them.
     """
 
-    def __init__(self, idx: jax.Array, nb: int, tile: int):
+    def __init__(self, idx: jax.Array, nb: int, tile: int, per_step: int):
         B, T, Hkv, n = idx.shape
         R, nbt = B * T * Hkv, B * Hkv * nb
         N = R * n
-        self.tile = tile
-        self.num_tiles = -(-N // tile) + nbt
+        self.tile, self.per_step = tile, per_step
+        self.num_tiles = -(-(-(-N // tile) + nbt) // per_step) * per_step
         bh = (jnp.arange(B)[:, None, None, None] * Hkv + jnp.arange(Hkv)[None, None, :, None])
         gblock = jnp.where(idx >= 0, bh * nb + idx, nbt).reshape(N)           # nbt = no block
         row = jnp.arange(N, dtype=jnp.int32) // n                               # (b, t, h) order
@@ -86,6 +91,7 @@ class _Plan:
         ntiles = -(-counts // tile)
         tstarts = jnp.cumsum(ntiles) - ntiles
         self.used = jnp.sum(ntiles)
+        self.steps = -(-self.used // per_step)
         valid = sblock < nbt
         sb = jnp.minimum(sblock, nbt - 1)
         slots = self.num_tiles * tile
@@ -95,8 +101,17 @@ class _Plan:
             sb, mode="drop")
         self.R = R
 
-    def tile_rows(self, t):
-        return jax.lax.dynamic_slice_in_dim(self.rows, t * self.tile, self.tile)
+    def step(self, i):
+        """rows [C * E] and blocks [C] of loop step i. Within one tile the rows are sorted and
+        unique; across the C tiles of a step a row can recur (its other blocks)."""
+        c, e = self.per_step, self.tile
+        return (jax.lax.dynamic_slice_in_dim(self.rows, i * c * e, c * e),
+                jax.lax.dynamic_slice_in_dim(self.blocks, i * c, c))
+
+    def scatter_kw(self) -> dict:
+        """Scatter flags for a step's rows: sorted and unique only when a step is one tile."""
+        one = self.per_step == 1
+        return dict(mode="drop", indices_are_sorted=one, unique_indices=one)
 
 
 def _row_view(x: jax.Array, Hkv: int) -> jax.Array:
@@ -106,13 +121,16 @@ def _row_view(x: jax.Array, Hkv: int) -> jax.Array:
 
 
 def _tile_mask(rows, blk, limit_rows, qseg_rows, kvseg_blocks, nb, block_size):
-    """[E, 1, P] visibility of the tile's keys for each of its entries."""
+    """[C, E, 1, P] visibility of the step's keys for each entry (rows [C * E], blk [C])."""
+    c = blk.shape[0]
+    rows = rows.reshape(c, -1)
     safe = jnp.minimum(rows, limit_rows.shape[0] - 1)
-    pos = (blk % nb) * block_size + jnp.arange(block_size)                     # [P]
-    mask = (rows < limit_rows.shape[0])[:, None] & (pos[None, :] <= limit_rows[safe][:, None])
+    pos = (blk % nb)[:, None] * block_size + jnp.arange(block_size)             # [C, P]
+    mask = ((rows < limit_rows.shape[0])[:, :, None]
+            & (pos[:, None, :] <= limit_rows[safe][:, :, None]))
     if qseg_rows is not None:
-        mask &= kvseg_blocks[blk][None, :] == qseg_rows[safe][:, None]
-    return mask[:, None, :]
+        mask &= kvseg_blocks[blk][:, None, :] == qseg_rows[safe][:, :, None]
+    return mask[:, :, None, :]
 
 
 def _prepare(q, k, v, idx, limit, q_seg, kv_seg, block_size, tile):
@@ -120,7 +138,10 @@ def _prepare(q, k, v, idx, limit, q_seg, kv_seg, block_size, tile):
     B, T, Hq, _ = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     nb = -(-S // block_size)
-    plan = _Plan(idx, nb, min(tile or TUNING.xla_tile_entries, B * T * Hkv * idx.shape[-1]))
+    n = idx.shape[-1]
+    tile = min(tile or xla_tile_size(TUNING, T, n, nb), B * T * Hkv * n)
+    per_step = max(1, TUNING.xla_step_scores // (tile * (Hq // Hkv) * block_size))
+    plan = _Plan(idx, nb, tile, min(per_step, -(-B * T * Hkv * n // tile) + B * Hkv * nb))
     kb, vb = _blocks(k, block_size), _blocks(v, block_size)
     # Per-row limit / segment (a row is one (b, t, h)).
     limit_rows = jnp.broadcast_to(limit[:, :, None], (B, T, Hkv)).reshape(-1)
@@ -138,39 +159,43 @@ def _prepare(q, k, v, idx, limit, q_seg, kv_seg, block_size, tile):
 def forward(q, k, v, idx, limit, q_seg, kv_seg, *, block_size: int, scale: float,
             tile: int | None = None):
     """Returns (o [B,T,Hq,Dv] in q.dtype, lse [B,T,Hq] float32)."""
-    B, T, Hq, _ = q.shape
+    B, T, Hq, Dk = q.shape
     Hkv, Dv = v.shape[2], v.shape[3]
     G = Hq // Hkv
     plan, kb, vb, limit_rows, qseg_rows, kvsb, nb = _prepare(q, k, v, idx, limit, q_seg, kv_seg,
                                                           block_size, tile)
     prec = _precision(q.dtype)
     q_rows = _row_view(q, Hkv)                                                  # [R, G, Dk]
-    R = plan.R
+    R, C, E = plan.R, plan.per_step, plan.tile
+    kw = plan.scatter_kw()
 
-    def body(t, carry):
+    def body(i, carry):
         o, m, l = carry
-        rows = plan.tile_rows(t)
-        blk = plan.blocks[t]
-        qt = jnp.take(q_rows, rows, axis=0, mode="clip")                        # [E, G, Dk]
-        s = jnp.einsum("egd,pd->egp", qt, kb[blk], precision=prec,
+        rows, blk = plan.step(i)                                                # [C*E], [C]
+        take = lambda x: jnp.take(x, rows, axis=0, mode="clip")
+        qt = take(q_rows).reshape(C, E, G, Dk)
+        s = jnp.einsum("cegd,cpd->cegp", qt, kb[blk], precision=prec,
                        preferred_element_type=jnp.float32) * scale
         mask = _tile_mask(rows, blk, limit_rows, qseg_rows, kvsb, nb, block_size)
-        m_old = jnp.take(m, rows, axis=0, mode="clip")                          # [E, G]
-        m_new = jnp.maximum(m_old, jnp.max(jnp.where(mask, s, -jnp.inf), axis=-1))
+        m_old = take(m)                                                         # [C*E, G]
+        # A row recurs across the step's tiles (its other blocks): the scatter-max gives its
+        # maximum over all of them, and the rescaling below writes the same value for each copy.
+        m = m.at[rows].max(jnp.max(jnp.where(mask, s, -jnp.inf), axis=-1).reshape(C * E, G),
+                           **kw)
+        m_new = take(m)
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
+        p = jnp.where(mask, jnp.exp(s - m_safe.reshape(C, E, G, 1)), 0.0)
         alpha = jnp.exp(m_old - m_safe)                                         # 0 when m_old=-inf
-        l_new = alpha * jnp.take(l, rows, axis=0, mode="clip") + jnp.sum(p, axis=-1)
-        pv = jnp.einsum("egp,pf->egf", p.astype(v.dtype), vb[blk], precision=prec,
+        pv = jnp.einsum("cegp,cpf->cegf", p.astype(v.dtype), vb[blk], precision=prec,
                         preferred_element_type=jnp.float32)
-        o_new = alpha[..., None] * jnp.take(o, rows, axis=0, mode="clip") + pv
-        kw = dict(mode="drop", indices_are_sorted=True, unique_indices=True)
-        return (o.at[rows].set(o_new, **kw), m.at[rows].set(m_new, **kw),
-                l.at[rows].set(l_new, **kw))
+        o = o.at[rows].set(alpha[..., None] * take(o), **kw)
+        l = l.at[rows].set(alpha * take(l), **kw)
+        return (o.at[rows].add(pv.reshape(C * E, G, Dv), **kw),
+                m, l.at[rows].add(jnp.sum(p, axis=-1).reshape(C * E, G), **kw))
 
     init = (jnp.zeros((R, G, Dv), jnp.float32), jnp.full((R, G), -jnp.inf, jnp.float32),
             jnp.zeros((R, G), jnp.float32))
-    o, m, l = jax.lax.fori_loop(0, plan.used, body, init)
+    o, m, l = jax.lax.fori_loop(0, plan.steps, body, init)
     has = l > 0
     l_safe = jnp.where(has, l, 1.0)
     o = (o / l_safe[..., None]).astype(q.dtype).reshape(B, T, Hq, Dv)
@@ -191,36 +216,34 @@ def backward(q, k, v, idx, limit, q_seg, kv_seg, o, lse, do, delta, *, block_siz
     q_rows, do_rows = _row_view(q, Hkv), _row_view(do, Hkv)
     lse_rows = _row_view(jnp.where(jnp.isfinite(lse), lse, 0.0), Hkv)            # [R, G]
     delta_rows = _row_view(delta, Hkv)
-    R = plan.R
+    R, C, E = plan.R, plan.per_step, plan.tile
 
-    def body(t, carry):
+    def body(i, carry):
         dq, dkb, dvb = carry
-        rows = plan.tile_rows(t)
-        blk = plan.blocks[t]
-        take = lambda x: jnp.take(x, rows, axis=0, mode="clip")
+        rows, blk = plan.step(i)
+        take = lambda x: jnp.take(x, rows, axis=0, mode="clip").reshape((C, E) + x.shape[1:])
         qt, dot = take(q_rows), take(do_rows)
-        kt, vt = kb[blk], vb[blk]
-        s = jnp.einsum("egd,pd->egp", qt, kt, precision=prec,
+        kt, vt = kb[blk], vb[blk]                                               # [C, P, D]
+        s = jnp.einsum("cegd,cpd->cegp", qt, kt, precision=prec,
                        preferred_element_type=jnp.float32) * scale
         mask = _tile_mask(rows, blk, limit_rows, qseg_rows, kvsb, nb, block_size)
-        p = jnp.where(mask, jnp.exp(s - take(lse_rows)[..., None]), 0.0)       # [E, G, P]
-        dp = jnp.einsum("egf,pf->egp", dot, vt, precision=prec,
+        p = jnp.where(mask, jnp.exp(s - take(lse_rows)[..., None]), 0.0)       # [C, E, G, P]
+        dp = jnp.einsum("cegf,cpf->cegp", dot, vt, precision=prec,
                         preferred_element_type=jnp.float32)
         ds = p * (dp - take(delta_rows)[..., None]) * scale
-        dq_t = jnp.einsum("egp,pd->egd", ds.astype(k.dtype), kt, precision=prec,
+        dq_t = jnp.einsum("cegp,cpd->cegd", ds.astype(k.dtype), kt, precision=prec,
                           preferred_element_type=jnp.float32)
-        dk_t = jnp.einsum("egp,egd->pd", ds.astype(q.dtype), qt, precision=prec,
+        dk_t = jnp.einsum("cegp,cegd->cpd", ds.astype(q.dtype), qt, precision=prec,
                           preferred_element_type=jnp.float32)
-        dv_t = jnp.einsum("egp,egf->pf", p.astype(do.dtype), dot, precision=prec,
+        dv_t = jnp.einsum("cegp,cegf->cpf", p.astype(do.dtype), dot, precision=prec,
                           preferred_element_type=jnp.float32)
-        dq = dq.at[rows].add(dq_t, mode="drop", indices_are_sorted=True, unique_indices=True)
-        dkb = dkb.at[blk].add(dk_t)
-        dvb = dvb.at[blk].add(dv_t)
-        return dq, dkb, dvb
+        dq = dq.at[rows].add(dq_t.reshape(C * E, G, Dk), **plan.scatter_kw())
+        # Consecutive tiles of one block share its index: the scatter-add sums them.
+        return dq, dkb.at[blk].add(dk_t), dvb.at[blk].add(dv_t)
 
     nbt = kb.shape[0]
     init = (jnp.zeros((R, G, Dk), jnp.float32), jnp.zeros((nbt, block_size, Dk), jnp.float32),
             jnp.zeros((nbt, block_size, Dv), jnp.float32))
-    dq, dkb, dvb = jax.lax.fori_loop(0, plan.used, body, init)
+    dq, dkb, dvb = jax.lax.fori_loop(0, plan.steps, body, init)
     return (dq.reshape(B, T, Hq, Dk).astype(q.dtype), _unblocks(dkb, B, S, Hkv).astype(k.dtype),
             _unblocks(dvb, B, S, Hkv).astype(v.dtype))

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from aiinfra_jax.kernels import _testing
+from aiinfra_jax.kernels.sparse_attention.tuning import TUNING, xla_tile_size
 from aiinfra_jax.kernels.sparse_attention import (sparse_attention, sparse_attention_bytes,
                                                   sparse_attention_flops,
                                                   sparse_attention_reference)
@@ -70,6 +71,8 @@ _CASES = {
     "g16_decode_offset": dict(B=2, Hkv=1, G=16, T=1, S=45, q_offset=True),
     "g2_offset_bf16": dict(T=5, S=50, q_offset=True, dtype="bfloat16", seg="pair"),
     "g2_noncausal_n1": dict(causal=False, n=2, T=19),
+    # Few rows over many blocks: a row recurs in most tiles (the XLA loop's rescaling).
+    "g2_few_rows": dict(B=1, T=3, S=200, Hkv=1, n=8, causal=False),
 }
 _PARAMS = ([("xla", c) for c in _CASES]
            + [(impl, c) for impl in ("pallas_gpu", "pallas_tpu")
@@ -82,15 +85,33 @@ def test_parity_with_reference(implementation, case):
     _check_parity(implementation, case)
 
 
-@pytest.mark.parametrize("implementation,field,value", [
-    ("xla", "xla_tile_entries", 3),                    # a block's entries span several tiles
-    ("pallas_gpu", "gpu_dkv_max_queries", 3),          # dK / dV query lists cut into pieces
-    ("pallas_tpu", "tpu_max_prefetch", 40),            # several calls over query / entry chunks
+@pytest.mark.parametrize("implementation,case,fields", [
+    # A block's entries span several tiles (3 entries of G 2 x P 16 = 96 scores each), and the
+    # loop takes one tile a step (sorted, unique rows), two (a row recurs across a step's tiles,
+    # its maximum moving after it has sums to rescale) or every tile in one step.
+    ("xla", "g2_noncausal_segpair", dict(xla_tile_entries=3, xla_step_scores=96)),
+    ("xla", "g2_few_rows", dict(xla_tile_entries=3, xla_step_scores=96)),
+    ("xla", "g2_few_rows", dict(xla_tile_entries=3, xla_step_scores=192)),
+    ("xla", "g2_noncausal_segpair", dict(xla_tile_entries=3)),
+    ("pallas_gpu", "g2_noncausal_segpair", dict(gpu_dkv_max_queries=3)),  # dK / dV lists cut
+    ("pallas_tpu", "g2_noncausal_segpair", dict(tpu_max_prefetch=40)),    # several calls
 ])
-def test_parity_when_kernels_split_work(monkeypatch, implementation, field, value):
+def test_parity_when_kernels_split_work(monkeypatch, implementation, case, fields):
     module = importlib.import_module(f"aiinfra_jax.kernels.sparse_attention.{implementation}")
-    monkeypatch.setattr(module, "TUNING", dataclasses.replace(module.TUNING, **{field: value}))
-    _check_parity(implementation, "g2_noncausal_segpair")
+    monkeypatch.setattr(module, "TUNING", dataclasses.replace(module.TUNING, **fields))
+    _check_parity(implementation, case)
+
+
+def test_xla_tile_size_follows_the_entries_per_key_block():
+    """A quarter of a key block's average entry list, as a power of two, within [32, 128]: the
+    NSA tiny preset's selection (T 2K, n 4, 64 blocks) gets 32, the 8K benchmark's (n 16, 128
+    blocks) the cap; a smaller cap wins over the floor (test_parity_when_kernels_split_work)."""
+    t = TUNING
+    assert xla_tile_size(t, 2048, 4, 64) == 32
+    assert xla_tile_size(t, 4096, 4, 64) == 64
+    assert xla_tile_size(t, 8192, 16, 128) == 128
+    assert xla_tile_size(t, 7, 2, 1) == 32
+    assert xla_tile_size(dataclasses.replace(t, xla_tile_entries=3), 2048, 4, 64) == 3
 
 
 def _check_parity(implementation, case):
