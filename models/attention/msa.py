@@ -157,7 +157,9 @@ class MSAConfig:
     # Training: the routing projections read a stop-gradient copy of the layer's input, so the
     # routing loss trains router_q, router_k and the temperature only, and the representations
     # the reading attention shares are shaped by the LM loss alone (a heavier routing loss was
-    # seen to trade reading for ranking, eval/BENCHMARKS.md "MSA"). Forward values unchanged.
+    # seen to trade reading for ranking). An ablation: on the tiny preset the reading stays
+    # near-exact but the ranking collapses, 90% -> 66% at 1M (eval/BENCHMARKS.md "MSA").
+    # Forward values unchanged.
     router_stop_gradient: bool = runtime_field(False)
     routing_loss_weight: float = runtime_field(0.1)
     # InfoNCE over documents: "joint" (all positives against all documents) or "decoupled" (each
