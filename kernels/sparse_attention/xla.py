@@ -79,8 +79,10 @@ class _Plan:
         B, T, Hkv, n = idx.shape
         R, nbt = B * T * Hkv, B * Hkv * nb
         N = R * n
+        tiles = -(-N // tile) + nbt                                            # at most in use
+        per_step = min(per_step, tiles)
         self.tile, self.per_step = tile, per_step
-        self.num_tiles = -(-(-(-N // tile) + nbt) // per_step) * per_step
+        self.num_tiles = -(-tiles // per_step) * per_step
         bh = (jnp.arange(B)[:, None, None, None] * Hkv + jnp.arange(Hkv)[None, None, :, None])
         gblock = jnp.where(idx >= 0, bh * nb + idx, nbt).reshape(N)           # nbt = no block
         row = jnp.arange(N, dtype=jnp.int32) // n                               # (b, t, h) order
@@ -140,8 +142,8 @@ def _prepare(q, k, v, idx, limit, q_seg, kv_seg, block_size, tile):
     nb = -(-S // block_size)
     n = idx.shape[-1]
     tile = min(tile or xla_tile_size(TUNING, T, n, nb), B * T * Hkv * n)
-    per_step = max(1, TUNING.xla_step_scores // (tile * (Hq // Hkv) * block_size))
-    plan = _Plan(idx, nb, tile, min(per_step, -(-B * T * Hkv * n // tile) + B * Hkv * nb))
+    plan = _Plan(idx, nb, tile,
+                 max(1, TUNING.xla_step_scores // (tile * (Hq // Hkv) * block_size)))
     kb, vb = _blocks(k, block_size), _blocks(v, block_size)
     # Per-row limit / segment (a row is one (b, t, h)).
     limit_rows = jnp.broadcast_to(limit[:, :, None], (B, T, Hkv)).reshape(-1)
