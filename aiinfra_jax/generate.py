@@ -8,10 +8,12 @@ The model is any module with the Transformer interface (`init_cache`, `features`
 Prompts are right-padded; the prefill marks the padding with segment id 0 so each row's cache length
 is its true prompt length, and decoding continues from there (positions = row length).
 The model is split into (graphdef, state) and run inside jax.jit, so repeated calls with the same
-model and shapes reuse the compiled programs. Inside each program a model with an `unscanned()`
-method (the Transformer) is first turned into its per-block form, once, outside the decode loop:
-cached calls run the blocks in a Python loop anyway (models/transformer.py), and per-block
-parameters keep the loop from slicing the stacked ones again at every step.
+model and shapes reuse the compiled programs. Inside the decode programs a model with an
+`unscanned()` method (the Transformer) is first turned into its per-block form, once, outside the
+decode loop: one-token cached calls run the blocks in a Python loop (models/transformer.py), and
+per-block parameters keep the loop from slicing the stacked ones again at every step. The prefill
+takes the model as it is: a layer-scanned Transformer runs a chunk's blocks in its scan, compiled
+once per block instead of once per layer.
 """
 
 from __future__ import annotations
@@ -83,8 +85,9 @@ def inference_model(graphdef, state) -> nnx.Module:
 @functools.partial(jax.jit, static_argnums=(0, 4, 5))
 def run_prefill(graphdef, state, tokens_bt, lengths_b, max_len: int, chunk: int):
     """The compiled prefill of `prefill` on a split model: (logits [B,V] at each row's last prompt
-    token, cache). Public for the exporters (export_stablehlo lowers it as it is)."""
-    model = inference_model(graphdef, state)
+    token, cache). Public for the exporters (export_stablehlo lowers it as it is). The model is
+    not unscanned (module docstring)."""
+    model = nnx.merge(graphdef, state)
     batch, seq = tokens_bt.shape
     n_chunks = seq // chunk
     cache = model.init_cache(batch, max_len)

@@ -53,10 +53,13 @@ class ModelAnswerer:
         self.score_answers = score_answers
         self._scores: tuple[tuple[int, ...], list[tuple[float, float]]] | None = None
         # Per-block parameters, sliced once here: the decode loop on a layer-scanned model would
-        # slice them inside every step's program (Transformer.unscanned).
+        # slice them inside every step's program (Transformer.unscanned). The prefill and the
+        # teacher-forced chunk keep the model as it is: a scanned model compiles its chunk calls
+        # once per block instead of once per layer (models/transformer.py).
         unscanned = getattr(model, "unscanned", None)
         self._decoder = model if unscanned is None else unscanned()
         self._graphdef, self._state = nnx.split(self._decoder)  # once: every call's programs
+        self._chunk_graphdef, self._chunk_state = nnx.split(model)
         self.prefill_chunk, self.warmup = prefill_chunk, warmup
         cfg = getattr(model, "cfg", None)
         self.max_seq_len = getattr(cfg, "max_seq_len", None)
@@ -84,13 +87,13 @@ class ModelAnswerer:
         return answers, counts
 
     def _prefill(self, tokens: np.ndarray, lengths: np.ndarray, room: int):
-        return prefill(self._decoder, tokens, lengths, tokens.shape[1] + room,
+        return prefill(self.model, tokens, lengths, tokens.shape[1] + room,
                        chunk_size=self.prefill_chunk)
 
     def _score(self, logits, cache, lengths, answers: np.ndarray, counts: np.ndarray
                ) -> list[tuple[float, float]]:
-        nll, hit = _answer_scores(self._graphdef, self._state, cache, logits, jnp.asarray(answers),
-                                  jnp.asarray(lengths), self.vocab)
+        nll, hit = _answer_scores(self._chunk_graphdef, self._chunk_state, cache, logits,
+                                  jnp.asarray(answers), jnp.asarray(lengths), self.vocab)
         nll, hit = np.asarray(nll), np.asarray(hit)
         return [(float(nll[b, :n].mean()), float(hit[b, :n].mean()))
                 for b, n in enumerate(counts.tolist())]

@@ -13,12 +13,17 @@ with depth. Without it they are R separate modules run in a Python loop. cfg.rem
 per-block body in jax.checkpoint.
 
 The cache (prefill and decode) is a tuple over the R blocks of tuples over their P layers (layer
-i = r * P + p is cache[r][p]), one separate buffer per layer, never stacked. Cached calls always
-run the blocks in a Python loop, scanned parameters or not (the loop takes block r's slice of
-the stacked parameters): a scan would carry the caches as scanned inputs and outputs, and so
-copy every layer's whole cache each step, where separate buffers are updated in place (decode
-writes one slot per layer). Decode programs are small, so their compile time growing with depth
-costs little; training and uncached forwards keep the scan.
+i = r * P + p is cache[r][p]), one separate buffer per layer between calls. A one-token cached call
+(a decode step) runs the blocks in a Python loop, scanned parameters or not (the loop takes block
+r's slice of the stacked parameters): a scan would carry the caches as scanned inputs and outputs,
+and so copy every layer's whole cache each step, where separate buffers are updated in place
+(decode writes one slot per layer); decode programs are small, so their compile time growing with
+depth costs little. A cached call on a chunk of tokens (a prefill, or the teacher-forced answer
+chunk of eval/answerers.py) with scanned parameters runs the scan instead, the R blocks' caches
+stacked on the way in and split on the way out: two copies of the cache, small beside a chunk's
+attention, for a program compiled once per block instead of R times (the README's long-context
+grid compiled its prefill in ~3 s at R = 4). Blocks whose caches differ in shape (an MSA routing
+layer with a memory bank beside one without) keep the loop.
 
 Auxiliary outputs (models/auxiliary.py): after every block call, inside the scan body (and so under
 remat), the losses, metrics and intermediates its modules reported are popped and returned as scan
@@ -160,6 +165,17 @@ def _init_block_states(cfg: ModelConfig, keys: jax.Array) -> nnx.State:
 def _has_model_state(block: nnx.Module) -> bool:
     """Whether a block keeps non-parameter state (which the rebuilding scan does not carry)."""
     return bool(jax.tree.leaves(nnx.state(block, nnx.Not(nnx.Param))))
+
+
+def _scans_cached_chunk(cache: tuple, tokens: jax.Array) -> bool:
+    """Whether a cached call on a layer-scanned model runs the scan (module docstring): a chunk of
+    more than one token, and every block's cache alike in structure, shapes and dtypes."""
+    if tokens.shape[1] < 2 or len(cache) < 2:
+        return False
+    first = jax.tree.structure(cache[0])
+    specs = [[(a.shape, a.dtype) for a in jax.tree.leaves(c)] for c in cache]
+    return (all(jax.tree.structure(c) == first for c in cache[1:])
+            and all(s == specs[0] for s in specs[1:]))
 
 
 def _per_layer(stacked: dict[str, dict[str, jax.Array]], block_size: int) -> Aux:
@@ -305,7 +321,7 @@ class Transformer(nnx.Module):
                 rebuild=functools.partial(rebuild, cfg))
             stacked = {"losses": losses, "metrics": metrics, "intermediates": {}}
             new_cache = None
-        elif cfg.scan_layers and cache is None:
+        elif cfg.scan_layers and (cache is None or _scans_cached_chunk(cache, tokens)):
             graphdef, state = nnx.split(self.blocks)
 
             def scan_body(carry, xs):
@@ -314,9 +330,14 @@ class Transformer(nnx.Module):
                                                                 key, graphdef)
                 return carry, (new_block_cache, outputs, updated)
 
+            blocks_cache = None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *cache)
             carry, (new_cache, stacked, updated) = jax.lax.scan(scan_body, carry,
-                                                                (state, cache, keys))
-            nnx.update(self.blocks, updated)
+                                                                (state, blocks_cache, keys))
+            if cache is None:
+                nnx.update(self.blocks, updated)
+            else:  # inference: the model's state is left as it is (the loop below says why)
+                new_cache = tuple(jax.tree.map(lambda a, r=r: a[r], new_cache)
+                                  for r in range(cfg.n_repeats))
         else:
             # A Python loop over the blocks: unscanned models, and every cached call (see the
             # module docstring: each layer's cache stays its own buffer, updated in place).

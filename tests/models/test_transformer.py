@@ -115,6 +115,33 @@ def test_scan_and_loop_give_the_same_params_and_logits():
                                _forward(scanned, tokens, positions), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("mixers", [("dense", "dense"), ("nsa", "dense")])
+def test_scanned_cached_chunks_equal_the_block_loop(mixers):
+    """A layer-scanned model runs cached chunk calls in its scan (caches stacked, then split) and
+    one-token calls in the block loop; the chunk calls must equal the unscanned model's loop,
+    logits and every cache buffer, over two chunks and a decode step."""
+    from aiinfra_jax.models.transformer import _scans_cached_chunk
+    scanned = _build(mixers=mixers, n_layers=4, short_conv=4)
+    looped = scanned.unscanned()
+    tokens, _ = _batch(2)
+    lengths = (0, 7, T, T + 1)  # chunks [0, 7) and [7, 12), then one token
+    caches = [m.init_cache(B, CFG.max_seq_len) for m in (scanned, looped)]
+    assert _scans_cached_chunk(caches[0], tokens[:, :7])
+    assert not _scans_cached_chunk(caches[0], tokens[:, :1])
+    steps = jnp.concatenate([tokens, tokens[:, :1]], axis=1)
+    for start, stop in zip(lengths[:-1], lengths[1:]):
+        pos = jnp.broadcast_to(jnp.arange(start, stop, dtype=jnp.int32), (B, stop - start))
+        out = [m(steps[:, start:stop], positions=pos, cache=c)
+               for m, c in zip((scanned, looped), caches)]
+        np.testing.assert_allclose(out[0][0], out[1][0], rtol=1e-5, atol=1e-5)
+        caches = [o[1] for o in out]
+        for a, b in zip(jax.tree.leaves(caches[0]), jax.tree.leaves(caches[1])):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # Blocks whose caches differ in shape keep the loop.
+    uneven = (caches[0][0], jax.tree.map(lambda a: a[:1], caches[0][1]))
+    assert not _scans_cached_chunk(uneven, tokens)
+
+
 def test_remat_does_not_change_loss_or_grads():
     tokens, positions = _batch(2)
     scanned = _build(**PATTERN)
