@@ -502,7 +502,9 @@ class NSAttention(nnx.Module):
         added, fits, write_at = cache_room(lengths, segment_ids, seq, slots)
         out = {"lengths": lengths + jnp.where(fits, added, 0)}
         ring = c.separate_kv  # the window has its own buffers: a ring (_ring_window)
-        for name in {n for pair in names.values() for n in pair}:
+        # sorted: a set's order changes with PYTHONHASHSEED, and with it the program, which then
+        # misses JAX's persistent compilation cache in every new process
+        for name in sorted({n for pair in names.values() for n in pair}):
             if not (ring and name in names["win"]):
                 out[name] = write_cache(cache[name], new[name], write_at, layout=_layout(name))
         # Compression sources: the cached tail (rows [len - m, len)) followed by the new tokens;

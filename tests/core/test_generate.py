@@ -185,3 +185,34 @@ def test_a_row_past_its_cache_is_refused_never_written(mixer):
     refused = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a)[0], b[0]),
                            cache, before)
     assert all(jax.tree.leaves(refused)), "the refused row's cache changed"
+
+
+_PROGRAM_TEXT = """
+import hashlib, jax, jax.numpy as jnp
+from flax import nnx
+from aiinfra_jax.generate import run_prefill
+from aiinfra_jax.models import ModelConfig, Transformer
+cfg = ModelConfig(vocab_size=96, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=64,
+                  mixers=("nsa", "dense", "gdn"), short_conv=4, max_seq_len=64)
+graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+lowered = run_prefill.lower(graphdef, state, jnp.zeros((2, 16), jnp.int32),
+                            jnp.array([16, 9], jnp.int32), 24, 16)
+print(hashlib.sha256(lowered.as_text().encode()).hexdigest())
+"""
+
+
+def test_prefill_program_is_the_same_in_every_process():
+    """The compiled programs must not depend on Python's string-hash seed (iterating a set of
+    cache buffer names did: the NSA prefill wrote its buffers in a per-process order, so JAX's
+    persistent compilation cache missed in every new process). Seeds 0-3 include two orders of
+    that loop."""
+    import os
+    import subprocess
+    import sys
+    digests = set()
+    for seed in range(4):
+        env = {**os.environ, "PYTHONHASHSEED": str(seed)}
+        out = subprocess.run([sys.executable, "-c", _PROGRAM_TEXT], capture_output=True,
+                             text=True, check=True, env=env)
+        digests.add(out.stdout.strip().splitlines()[-1])
+    assert len(digests) == 1, digests
