@@ -339,8 +339,9 @@ class Transformer(nnx.Module):
                 new_cache = tuple(jax.tree.map(lambda a, r=r: a[r], new_cache)
                                   for r in range(cfg.n_repeats))
         else:
-            # A Python loop over the blocks: unscanned models, and every cached call (see the
-            # module docstring: each layer's cache stays its own buffer, updated in place).
+            # A Python loop over the blocks: unscanned models, one-token cached calls, and chunk
+            # calls whose blocks' caches differ (see the module docstring: each layer's cache stays
+            # its own buffer, updated in place).
             new_blocks_caches, per_block, per_block_updates = [], [], []
             if cfg.scan_layers:
                 graphdef, stacked_state = nnx.split(self.blocks)

@@ -2,6 +2,9 @@
 
 import dataclasses
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -206,9 +209,6 @@ def test_prefill_program_is_the_same_in_every_process():
     cache buffer names did: the NSA prefill wrote its buffers in a per-process order, so JAX's
     persistent compilation cache missed in every new process). Seeds 0-3 include two orders of
     that loop."""
-    import os
-    import subprocess
-    import sys
     digests = set()
     for seed in range(4):
         env = {**os.environ, "PYTHONHASHSEED": str(seed)}
