@@ -49,8 +49,8 @@ from ..auxiliary import record
 from ..config import ModelConfig, check_implementation, runtime_field
 from ..layers import apply_rope, out_proj_std
 from ..registry import register_config, register_mixer
-# n_compressed and NSACache are re-exported: importers take them from here.
-from .nsa_cache import NSACache, NSACacheMixin, attend_one, cache_keys, n_compressed  # noqa: F401
+# n_compressed is also re-exported: tests and eval/bench_nsa import it from here.
+from .nsa_cache import NSACache, NSACacheMixin, attend_one, cache_keys, n_compressed
 
 
 @register_config("nsa")
@@ -337,7 +337,7 @@ class NSAttention(NSACacheMixin, nnx.Module):
                    n_local=c.n_local, remap=c.remap, q_offset=q_offset)
         if decode:  # the blocks ranked by the compressed branch's own probabilities
             o_cmp, p_cmp = attend_one(q, k_cmp, v_cmp, cmp_mask, q_offset,
-                                       return_group_probs=True, keys_transposed=True)
+                                      return_group_probs=True, keys_transposed=True)
             idx = select_blocks_from_probs(p_cmp, **sel)
         else:
             cmp_seg = None if segment_ids is None else (segment_ids, cmp_segment_ids)
@@ -358,7 +358,7 @@ class NSAttention(NSACacheMixin, nnx.Module):
         win_mask = AttentionMask(window=c.window)
         if decode:
             o_win = attend_one(q, k_win, v_win, win_mask, win_offset,
-                                keys_transposed=c.separate_kv)
+                               keys_transposed=c.separate_kv)
         else:
             win_seg = segment_ids if win_segment_ids is None else win_segment_ids
             o_win = flash_attention(q, k_win, v_win, mask=win_mask, segment_ids=win_seg,
