@@ -27,6 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from aiinfra_jax.compilation import jit
+
 
 @dataclasses.dataclass(frozen=True)
 class GenerateResult:
@@ -82,7 +84,7 @@ def inference_model(graphdef, state) -> nnx.Module:
     return model if unscanned is None else unscanned()
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5))
+@functools.partial(jit, static_argnums=(0, 4, 5))
 def run_prefill(graphdef, state, tokens_bt, lengths_b, max_len: int, chunk: int):
     """The compiled prefill of `prefill` on a split model: (logits [B,V] at each row's last prompt
     token, cache). Public for the exporters (export_stablehlo lowers it as it is). The model is
@@ -129,7 +131,7 @@ def run_step(model, cache, tokens_b, positions_b):
 
 
 # The cache is donated: a decode step updates it in place instead of copying all S slots.
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+@functools.partial(jit, static_argnums=(0,), donate_argnums=(2,))
 def _decode_step(graphdef, state, cache, tokens_b, positions_b):
     return run_step(inference_model(graphdef, state), cache, tokens_b, positions_b)
 
@@ -179,7 +181,7 @@ def decode_step(model: nnx.Module, cache: Any, tokens: jax.Array,
                         jnp.asarray(positions, jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6, 7, 8, 9), static_argnames=("vocab",))
+@functools.partial(jit, static_argnums=(0, 5, 6, 7, 8, 9), static_argnames=("vocab",))
 def decode_loop(graphdef, state, cache, first_logits, positions_b, max_new: int,
                 temperature: float, top_p: float, eos_id: int | None, pad_id: int, rng, *,
                 vocab: int | None = None):

@@ -32,6 +32,7 @@ import numpy as np
 from flax import nnx
 
 from aiinfra_jax import sharding as shd
+from aiinfra_jax.compilation import jit
 from aiinfra_jax.bank_storage import (ARRAYS, FORMAT, BankError, DeviceBank, Encoded, MemoryBank,
                                       model_signature)
 from aiinfra_jax.generate import GenerateResult, decode_loop, inference_model
@@ -60,7 +61,7 @@ def _pack(lengths: Sequence[int], row_len: int, max_docs: int) -> list[list[int]
     return rows
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5))
+@functools.partial(jit, static_argnums=(0, 5))
 def _encode_rows(graphdef, state, tokens, positions, segment_ids, layers: tuple[int, ...]):
     model = nnx.merge(graphdef, state)
     _, _, aux = model.features(tokens, positions=positions, segment_ids=segment_ids,
@@ -201,7 +202,7 @@ def attach_bank(model: nnx.Module, cache: tuple, arrays: dict[str, Any],
                        for p, c in enumerate(block)) for r, block in enumerate(cache))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8))
+@functools.partial(jit, static_argnums=(0, 6, 7, 8))
 def _bank_prefill(graphdef, state, arrays, tokens_bt, lengths_b, unread_b, max_len: int,
                   max_doc_chunks: int, every_position: bool):
     model = inference_model(graphdef, state)

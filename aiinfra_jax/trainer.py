@@ -33,6 +33,7 @@ import numpy as np
 from flax import nnx
 
 from aiinfra_jax import sharding as shd
+from aiinfra_jax.compilation import compiler_options
 from aiinfra_jax.config import Config, ConfigError
 from aiinfra_jax.data import BATCH_KEYS, load_tokenizer, make_iterator
 from aiinfra_jax.models import Transformer
@@ -150,14 +151,15 @@ class Trainer:
         eval_step = make_eval_step(graphdef, self.abstract_params, self.rest,
                                    self.cfg.eval.position_buckets)
         batch_sh = {k: self.batch_sharding for k in BATCH_KEYS}
+        options = compiler_options(self.mesh.devices.flat[0].platform)
         jtrain = jax.jit(shd.with_activation_rules(train_step, self.mesh),
                          in_shardings=(self.state_shardings, batch_sh),
                          out_shardings=(self.state_shardings, self.replicated),
-                         donate_argnums=(0,))
+                         donate_argnums=(0,), compiler_options=options)
         jeval = jax.jit(shd.with_activation_rules(eval_step, self.mesh),
                         in_shardings=(self.state_shardings["params"], batch_sh,
                                       self.state_shardings.get("model_state")),
-                        out_shardings=self.replicated)
+                        out_shardings=self.replicated, compiler_options=options)
         return jtrain, jeval
 
     def shard(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:

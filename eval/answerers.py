@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from aiinfra_jax.compilation import jit
 from aiinfra_jax.generate import decode_loop, prefill
 from aiinfra_jax.tasks import Example
 
@@ -179,7 +180,7 @@ class ModelAnswerer:
         return self._score(logits, cache, lengths, answers, counts)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6))
+@functools.partial(jit, static_argnums=(0, 6))
 def _answer_scores(graphdef, state, cache, first_logits_bv, answers_bw, lengths_b, vocab: int):
     """Per row, for the answer tokens answers_bw [B,W] (right-padded) that follow the prompt
     whose prefill left `cache` and first_logits_bv: -log p(token) and whether the greedy choice

@@ -30,8 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from aiinfra_jax.compilation import jit
 
-@functools.partial(jax.jit, static_argnums=(0,))
+
+@functools.partial(jit, static_argnums=(0,))
 def _extend(graphdef, state, cache, tokens_bt, start):
     model = nnx.merge(graphdef, state)
     batch, t = tokens_bt.shape

@@ -44,6 +44,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from aiinfra_jax.compilation import jit
+
 from .config import ModelConfig
 from . import auxiliary
 from .auxiliary import pop_outputs
@@ -155,7 +157,7 @@ def _init_config(cfg: ModelConfig) -> ModelConfig:
                                max_seq_len=ModelConfig.max_seq_len)
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
+@functools.partial(jit, static_argnums=(0,))
 def _init_block_states(cfg: ModelConfig, keys: jax.Array) -> nnx.State:
     """Parameters of R blocks, block r from keys[r], stacked on a leading axis (one compilation
     instead of many eager ops)."""
