@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from aiinfra_jax import sharding as shd
-from aiinfra_jax.compilation import compiler_options
+from aiinfra_jax.kernels.compilation import compiler_options
 from aiinfra_jax.config import Config, ConfigError
 from aiinfra_jax.data import BATCH_KEYS, load_tokenizer, make_iterator
 from aiinfra_jax.models import Transformer

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from aiinfra_jax.compilation import jit
+from aiinfra_jax.kernels.compilation import jit
 from aiinfra_jax.generate import decode_loop, prefill
 from aiinfra_jax.tasks import Example
 

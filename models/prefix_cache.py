@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from aiinfra_jax.compilation import jit
+from aiinfra_jax.kernels.compilation import jit
 
 
 @functools.partial(jit, static_argnums=(0,))

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from aiinfra_jax.compilation import jit
+from aiinfra_jax.kernels.compilation import jit
 
 from .config import ModelConfig
 from . import auxiliary

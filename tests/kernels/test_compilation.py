@@ -1,4 +1,4 @@
-"""The per-platform compiler options (aiinfra_jax/compilation.py)."""
+"""The per-platform compiler options (kernels/compilation.py)."""
 
 import copy
 import functools
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from aiinfra_jax import compilation
+from aiinfra_jax.kernels import compilation
 
 
 def test_options_are_per_platform_and_copies():

@@ -16,6 +16,9 @@ memory bank compile:
     jtrain = jax.jit(step, compiler_options=compiler_options(platform))   # platform known
     @functools.partial(jit, static_argnums=(0,))                         # resolved on first use
     def run_prefill(...): ...
+
+It lives in kernels/, the bottom layer of the import order (kernels <- models <- core <- eval),
+so that models/ can use it too.
 """
 
 from __future__ import annotations
