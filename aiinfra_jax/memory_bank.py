@@ -32,10 +32,10 @@ import numpy as np
 from flax import nnx
 
 from aiinfra_jax import sharding as shd
-from aiinfra_jax.kernels.compilation import jit
 from aiinfra_jax.bank_storage import (ARRAYS, FORMAT, BankError, DeviceBank, Encoded, MemoryBank,
                                       model_signature)
 from aiinfra_jax.generate import GenerateResult, decode_loop, inference_model
+from aiinfra_jax.kernels.compilation import jit
 from aiinfra_jax.models.attention.msa import routing_layer_indices
 
 __all__ = ["ARRAYS", "FORMAT", "BankAnswer", "BankError", "DeviceBank", "Encoded", "MemoryBank",

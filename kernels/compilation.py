@@ -2,12 +2,12 @@
 
 On the CPU, XLA compiles with LLVM at its backend optimisation level 3 by default. Level 2 compiles
 faster, and no program measured here ran slower for it (why level 3 gains nothing was not
-investigated; the matmuls are library calls either way). Measured on this 2-core CPU (eval/BENCHMARKS.md,
-"Generation throughput", 2026-12-07), each side in its own process, alternated: the README's
-long-context grid 52.7 -> 47.2 s (the first batch of each shape, mostly compilation, 21.7 ->
-18.3 s; the prefill 25.3 -> 23.6 s), and the nsa_tiny training step 1.47 -> 1.40 s. Level 1
-measured the same as level 2; level 0 ran the prefill at half speed. Other platforms keep XLA's
-defaults: nothing was measured there.
+investigated; the matmuls are library calls either way). Measured on this 2-core CPU
+(eval/BENCHMARKS.md, "Generation throughput", 2026-12-07), each side in its own process,
+alternated: the README's long-context grid 52.7 -> 47.2 s (the first batch of each shape,
+mostly compilation, 21.7 -> 18.3 s; the prefill 25.3 -> 23.6 s), and the nsa_tiny training step
+1.47 -> 1.40 s. Level 1 measured the same as level 2; level 0 ran the prefill at half speed.
+Other platforms keep XLA's defaults: nothing was measured there.
 
 JAX has no process-wide setting for this (XLA_FLAGS would also reach the GPU compiler and every
 jit of a user's own), so the options go to each jit that the training loop, generation and the
