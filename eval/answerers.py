@@ -30,10 +30,16 @@ from aiinfra_jax.tasks import Example
 ANSWER_BUCKET = 16
 # Prompts likewise, to a multiple of this many tokens.
 PROMPT_BUCKET = 128
+# ``ModelAnswerer.plan`` lets calls whose caches need between n and CACHE_SHARE * n slots share one
+# cache size (the largest of them), so they share compiled programs.
+CACHE_SHARE = 2.0
 
 
 class Answerer(Protocol):
-    """Continues each example's prompt; returns generated token ids per example (EOS may end it)."""
+    """Continues each example's prompt; returns generated token ids per example (EOS may end it).
+
+    An answerer may also have ``plan(calls)``: the runner passes it every call it is about to make,
+    as (examples, max_new_tokens) pairs, before the first (``ModelAnswerer`` sizes its caches)."""
 
     def __call__(self, examples: Sequence[Example], max_new_tokens: int) -> list[list[int]]: ...
 
@@ -68,6 +74,7 @@ class ModelAnswerer:
         self.timing = {"prefill_s": 0.0, "prefill_tokens": 0, "decode_s": 0.0, "decode_tokens": 0,
                        "answer_scores_s": 0.0, "warmup_s": 0.0, "warmup_calls": 0}
         self._seen: set[tuple[int, int, int, int | None]] = set()
+        self._cache_len: dict[int, int] = {}  # slots a call needs -> slots it gets (see plan)
 
     def _answers(self, examples: Sequence[Example], min_width: int = 0
                  ) -> tuple[np.ndarray, np.ndarray]:
@@ -88,7 +95,8 @@ class ModelAnswerer:
         return answers, counts
 
     def _prefill(self, tokens: np.ndarray, lengths: np.ndarray, room: int):
-        return prefill(self.model, tokens, lengths, tokens.shape[1] + room,
+        need = tokens.shape[1] + room
+        return prefill(self.model, tokens, lengths, self._cache_len.get(need, need),
                        chunk_size=self.prefill_chunk)
 
     def _score(self, logits, cache, lengths, answers: np.ndarray, counts: np.ndarray
@@ -129,6 +137,35 @@ class ModelAnswerer:
         # Each row's tokens up to its EOS included (the loop pads after it).
         return [out[b, :n].tolist() for b, n in enumerate(n_out.tolist())], scores
 
+    def _room(self, examples: Sequence[Example], max_new_tokens: int
+              ) -> tuple[int, tuple[np.ndarray, np.ndarray] | None]:
+        """(cache slots past the prompt, the teacher-forced answers or None) of one call."""
+        answers = self._answers(examples, max_new_tokens) if self.score_answers else None
+        room = max_new_tokens if answers is None else max(max_new_tokens, answers[0].shape[1])
+        return room, answers
+
+    def plan(self, calls: Sequence[tuple[Sequence[Example], int]],
+             share: float = CACHE_SHARE) -> dict[int, int]:
+        """Sizes the caches of the calls to come ((examples, max_new_tokens) each): the cache sizes
+        they need, ascending, form groups greedily, each of the sizes within `share` times its
+        smallest, and every call of a group gets the group's largest. The decode loop and the
+        answer scores compile once per cache size (the prefill still once per prompt width), so
+        a grid of 1K and 2K prompts compiles them once instead of twice (eval/BENCHMARKS.md,
+        "Generation throughput", 2026-12-07: 3.7 s of a 47 s grid). The price: a call's decode
+        reads up to `share` times the cache it needs (the empty slots are masked, so the answers
+        are the same), which is why a group stops at 2x instead of spanning a whole 1K-64K grid.
+        share=1 turns it off. Returns {slots needed: slots given}."""
+        needs = set()
+        for examples, max_new_tokens in calls:
+            room = self._room(examples, max_new_tokens)[0]
+            needs.add(self._prompts(examples, room)[0].shape[1] + room)
+        left, self._cache_len = sorted(needs), {}
+        while left:
+            group = [n for n in left if n <= share * left[0]]
+            self._cache_len.update({n: group[-1] for n in group})
+            left = left[len(group):]
+        return dict(self._cache_len)
+
     def _prompts(self, examples: Sequence[Example], room: int) -> tuple[np.ndarray, np.ndarray]:
         """(prompts [B,T] right-padded, lengths [B]); T is the longest prompt rounded up to a
         multiple of PROMPT_BUCKET (within max_seq_len - room), so that batches share compiled
@@ -147,8 +184,7 @@ class ModelAnswerer:
         return tokens, lengths
 
     def __call__(self, examples: Sequence[Example], max_new_tokens: int) -> list[list[int]]:
-        answers = self._answers(examples, max_new_tokens) if self.score_answers else None
-        room = max_new_tokens if answers is None else max(max_new_tokens, answers[0].shape[1])
+        room, answers = self._room(examples, max_new_tokens)
         tokens, lengths = self._prompts(examples, room)
         shape = (tokens.shape[0], tokens.shape[1], max_new_tokens,
                  None if answers is None else answers[0].shape[1])

@@ -238,6 +238,14 @@ def run_longctx(answerer: Answerer, tokenizer: Any, cfg: LongCtxConfig, *,
         groups[ex.length].append(i)
     batches = [idx[k:k + cfg.batch_size] for idx in groups.values()
                for k in range(0, len(idx), cfg.batch_size)]
+    calls = []
+    for idx in batches:
+        batch = [examples[i] for i in idx]
+        padded = batch + [batch[-1]] * (cfg.batch_size - len(batch))  # fixed shapes
+        calls.append((batch, padded, budgets[batch[0].length]))
+    plan = getattr(answerer, "plan", None)
+    if plan is not None:
+        plan([(padded, max_new) for _, padded, max_new in calls])
     out_path = Path(out_dir) if out_dir is not None else None
     jsonl = None
     if out_path is not None:
@@ -245,14 +253,11 @@ def run_longctx(answerer: Answerer, tokenizer: Any, cfg: LongCtxConfig, *,
         jsonl = (out_path / "samples.jsonl").open("w")
     bar = None
     if progress:
-        bar = ProgressBar(len(batches), desc="longctx", interval_s=10.0)
+        bar = ProgressBar(len(calls), desc="longctx", interval_s=10.0)
     records: list[dict[str, Any]] = []
     start = time.perf_counter()
     try:
-        for n_done, idx in enumerate(batches, start=1):
-            batch = [examples[i] for i in idx]
-            padded = batch + [batch[-1]] * (cfg.batch_size - len(batch))  # fixed shapes
-            max_new = budgets[batch[0].length]
+        for n_done, (batch, padded, max_new) in enumerate(calls, start=1):
             generated = answerer(padded, max_new)
             if len(generated) != len(padded):
                 raise ValueError(f"answerer returned {len(generated)} rows for {len(padded)} "

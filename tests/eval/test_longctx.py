@@ -1,6 +1,7 @@
 """The long-context runner: a tiny random model end to end, stub answerers, early refusals, and
 the in-loop training hook."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -77,6 +78,43 @@ def test_model_answerer_matches_generate():
     ref = generate(model, [e.prompt_tokens.tolist() for e in exs], max_new_tokens=6,
                    eos_id=TOK.eos_id, pad_id=TOK.pad_id)
     assert ours == ref.as_lists()
+
+
+@pytest.mark.parametrize("mixer", ["dense", "nsa"])
+def test_planned_shared_cache_gives_the_same_answers(mixer):
+    """plan() gives calls whose caches need within 2x of each other one cache size (the largest),
+    so they share compiled programs; the empty slots are masked, so the generated tokens and the
+    teacher-forced scores equal those of a cache sized to each call."""
+    from aiinfra_jax.models import NSAConfig
+
+    nsa = NSAConfig(cmp_block_len=8, cmp_stride=4, sel_block_size=16, n_selected=3, window=32,
+                    implementation="xla")
+    cfg = ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                      d_ff=64, max_seq_len=1200, mixers=(mixer,), nsa=nsa)
+    model = Transformer(cfg, rngs=nnx.Rngs(int(np.random.default_rng().integers(1 << 30))))
+    grid = lc.LongCtxConfig(tasks=("passkey", "niah_single_1"), lengths=(250, 500, 1000),
+                            depths=(0.3,), samples=1, batch_size=2)
+    exs = lc.build_examples(TOK, grid)
+    budgets = lc.answer_budgets(exs, grid)
+    calls = [([e for e in exs if e.length == n], budgets[n]) for n in grid.lengths]
+    shared = lc.ModelAnswerer(model, TOK)
+    sizes = shared.plan(calls)
+    # Prompt widths 256 and 512 (+ room) share the larger cache; 1024 + room is more than twice
+    # 256 + room, so it keeps its own.
+    small, mid, large = sorted(sizes)
+    assert sizes == {small: mid, mid: mid, large: large} and mid <= 2 * small < large
+    own = lc.ModelAnswerer(model, TOK)
+    assert own.plan(calls, share=1.0) == {n: n for n in sizes}
+    for examples, max_new in calls[:2]:  # the two that share (the third would only cost time)
+        assert shared(examples, max_new) == own(examples, max_new)
+        np.testing.assert_allclose(shared.teacher_forced(examples), own.teacher_forced(examples),
+                                   rtol=1e-5, atol=1e-6)
+    if mixer == "dense":  # the runner plans before its first call
+        seen = []
+        shared._prefill = lambda tokens, lengths, room, f=shared._prefill: (
+            seen.append(shared._cache_len[tokens.shape[1] + room]) or f(tokens, lengths, room))
+        lc.run_longctx(shared, TOK, dataclasses.replace(grid, lengths=(250, 500)), progress=False)
+        assert seen and set(seen) == {mid}
 
 
 def test_teacher_forced_scores_match_the_full_forward():
