@@ -155,6 +155,8 @@ class ModelAnswerer:
         reads up to `share` times the cache it needs (the empty slots are masked, so the answers
         are the same), which is why a group stops at 2x instead of spanning a whole 1K-64K grid.
         share=1 turns it off. Returns {slots needed: slots given}."""
+        if not share >= 1:
+            raise ValueError(f"plan: share={share!r} must be >= 1 (1 = a cache sized to each call)")
         needs = set()
         for examples, max_new_tokens in calls:
             room = self._room(examples, max_new_tokens)[0]

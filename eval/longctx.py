@@ -243,9 +243,6 @@ def run_longctx(answerer: Answerer, tokenizer: Any, cfg: LongCtxConfig, *,
         batch = [examples[i] for i in idx]
         padded = batch + [batch[-1]] * (cfg.batch_size - len(batch))  # fixed shapes
         calls.append((batch, padded, budgets[batch[0].length]))
-    plan = getattr(answerer, "plan", None)
-    if plan is not None:
-        plan([(padded, max_new) for _, padded, max_new in calls])
     out_path = Path(out_dir) if out_dir is not None else None
     jsonl = None
     if out_path is not None:
@@ -257,6 +254,9 @@ def run_longctx(answerer: Answerer, tokenizer: Any, cfg: LongCtxConfig, *,
     records: list[dict[str, Any]] = []
     start = time.perf_counter()
     try:
+        plan = getattr(answerer, "plan", None)  # inside the wall time: it is part of the run
+        if plan is not None:
+            plan([(padded, max_new) for _, padded, max_new in calls])
         for n_done, (batch, padded, max_new) in enumerate(calls, start=1):
             generated = answerer(padded, max_new)
             if len(generated) != len(padded):

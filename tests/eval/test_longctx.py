@@ -105,6 +105,8 @@ def test_planned_shared_cache_gives_the_same_answers(mixer):
     assert sizes == {small: mid, mid: mid, large: large} and mid <= 2 * small < large
     own = lc.ModelAnswerer(model, TOK)
     assert own.plan(calls, share=1.0) == {n: n for n in sizes}
+    with pytest.raises(ValueError, match="share=0.5 must be >= 1"):
+        own.plan(calls, share=0.5)
     for examples, max_new in calls[:2]:  # the two that share (the third would only cost time)
         assert shared(examples, max_new) == own(examples, max_new)
         np.testing.assert_allclose(shared.teacher_forced(examples), own.teacher_forced(examples),
