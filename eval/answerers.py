@@ -160,7 +160,8 @@ class ModelAnswerer:
         needs = set()
         for examples, max_new_tokens in calls:
             room = self._room(examples, max_new_tokens)[0]
-            needs.add(self._prompts(examples, room)[0].shape[1] + room)
+            longest = max(ex.prompt_tokens.size for ex in examples)
+            needs.add(self._prompt_width(longest, room) + room)
         left, self._cache_len = sorted(needs), {}
         while left:
             group = [n for n in left if n <= share * left[0]]
@@ -168,18 +169,22 @@ class ModelAnswerer:
             left = left[len(group):]
         return dict(self._cache_len)
 
-    def _prompts(self, examples: Sequence[Example], room: int) -> tuple[np.ndarray, np.ndarray]:
-        """(prompts [B,T] right-padded, lengths [B]); T is the longest prompt rounded up to a
-        multiple of PROMPT_BUCKET (within max_seq_len - room), so that batches share compiled
-        shapes (the padding is masked: it never enters the cache)."""
-        lengths = np.array([ex.prompt_tokens.size for ex in examples], np.int32)
-        longest = int(lengths.max())
+    def _prompt_width(self, longest: int, room: int) -> int:
+        """T of `_prompts` for a longest prompt of `longest` tokens; refuses one that does not fit."""
         if self.max_seq_len is not None and longest + room > self.max_seq_len:
             raise ValueError(f"prompt of {longest} tokens + {room} new tokens exceeds "
                              f"model.max_seq_len={self.max_seq_len}")
         width = -(-longest // PROMPT_BUCKET) * PROMPT_BUCKET
         if self.max_seq_len is not None:
             width = max(longest, min(width, self.max_seq_len - room))
+        return width
+
+    def _prompts(self, examples: Sequence[Example], room: int) -> tuple[np.ndarray, np.ndarray]:
+        """(prompts [B,T] right-padded, lengths [B]); T is the longest prompt rounded up to a
+        multiple of PROMPT_BUCKET (within max_seq_len - room), so that batches share compiled
+        shapes (the padding is masked: it never enters the cache)."""
+        lengths = np.array([ex.prompt_tokens.size for ex in examples], np.int32)
+        width = self._prompt_width(int(lengths.max()), room)
         tokens = np.full((len(examples), width), self.tokenizer.pad_id, np.int32)
         for b, ex in enumerate(examples):
             tokens[b, :lengths[b]] = ex.prompt_tokens
