@@ -47,7 +47,8 @@ import numpy as np
 from flax import nnx
 
 from aiinfra_jax import memory_bank as mb
-from aiinfra_jax.data.synthetic_msa import MSASource, fact_text, filler, query_prompt
+from aiinfra_jax.data.synthetic_msa import (TRAIN_SEED_BASE, MSASource, fact_text, filler,
+                                            query_prompt)
 from aiinfra_jax.eval.longctx import format_length, parse_length
 from aiinfra_jax.generate import decode_loop
 from aiinfra_jax.load import load_model
@@ -291,10 +292,14 @@ def evaluate_size(model, tokenizer, bank: mb.MemoryBank, needles, *, batch: int,
 
 
 def run_niah(checkpoint: str, sizes: list[int], out_dir: Path, *, queries: int, batch: int,
-             max_new_tokens: int, overrides=()) -> dict[str, Any]:
+             max_new_tokens: int, overrides=(), seed: int = EVAL_SEED) -> dict[str, Any]:
+    if not 0 <= seed < TRAIN_SEED_BASE:
+        raise ValueError(f"niah: --seed {seed} is outside [0, 2**40); seeds from 2**40 up are "
+                         "the training data's (data/synthetic_msa.py), so an evaluation drawn "
+                         "with one could repeat training documents")
     loaded = load_model(checkpoint, overrides=list(overrides))
     model, tok = loaded.model, loaded.tokenizer
-    col = niah_collection(loaded, sizes, queries)
+    col = niah_collection(loaded, sizes, queries, seed=seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "bank"
     src = _msa_source(loaded)
@@ -318,6 +323,7 @@ def run_niah(checkpoint: str, sizes: list[int], out_dir: Path, *, queries: int, 
               flush=True)
         start = stop
     result = {"checkpoint": str(checkpoint), "step": loaded.step, "queries": queries,
+              "seed": seed,
               "top_k": model.cfg.msa.top_k, "chunk": model.cfg.msa.chunk,
               "kv_chunk": model.cfg.msa.resolved_kv_chunk,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows}
@@ -377,6 +383,9 @@ def main(argv=None) -> int:
     n.add_argument("--batch", type=int, default=25)
     n.add_argument("--max-new-tokens", type=int, default=12)
     n.add_argument("--out-dir", required=True)
+    n.add_argument("--seed", type=int, default=EVAL_SEED,
+                   help=f"draws the collection: documents, keys, values, needle places "
+                        f"(default {EVAL_SEED}; any value in [0, 2**40))")
     for p in (b, q, n):
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="run-time overrides of the model (model.msa.implementation=xla, ...)")
@@ -410,7 +419,7 @@ def main(argv=None) -> int:
             sizes = [parse_length(s) for s in args.sizes.split(",") if s.strip()]
             result = run_niah(args.checkpoint, sizes, Path(args.out_dir), queries=args.queries,
                               batch=args.batch, max_new_tokens=args.max_new_tokens,
-                              overrides=args.set)
+                              overrides=args.set, seed=args.seed)
             print(markdown(result))
     except (mb.BankError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

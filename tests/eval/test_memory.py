@@ -9,6 +9,7 @@ import json
 from helpers import tiny
 
 from aiinfra_jax.eval import memory
+from aiinfra_jax.load import load_model
 
 
 def test_memory_cli_build_query_niah(tmp_path, capsys):
@@ -36,9 +37,19 @@ def test_memory_cli_build_query_niah(tmp_path, capsys):
 
     out = tmp_path / "niah"
     assert memory.main(["niah", "--checkpoint", run, "--sizes", "1k,2k", "--queries", "4",
-                        "--batch", "4", "--out-dir", str(out)]) == 0
+                        "--batch", "4", "--out-dir", str(out), "--seed", "3"]) == 0
     assert "| 2k |" in capsys.readouterr().out
     result = json.loads((out / "memory_niah.json").read_text())
+    assert result["seed"] == 3
+    # --seed draws another collection; a training seed (2**40 and up) is refused by name
+    loaded = load_model(run)
+    one, other = (memory.niah_collection(loaded, [1024], 4, seed=s) for s in (3, 4))
+    assert one["needles"] != other["needles"]
+    assert [d.tolist() for d in memory.niah_collection(loaded, [1024], 4, seed=3)["docs"]] == [
+        d.tolist() for d in one["docs"]]
+    assert memory.main(["niah", "--checkpoint", run, "--out-dir", str(out),
+                        "--seed", str(2 ** 40)]) == 2
+    assert "training data" in capsys.readouterr().err
     small, large = result["rows"]
     assert small["tokens"] >= 1024 and large["tokens"] >= 2048
     assert large["documents"] > small["documents"]
