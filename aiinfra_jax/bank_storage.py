@@ -46,7 +46,9 @@ from aiinfra_jax.checksums import crc32, json_crc32
 from aiinfra_jax.checkpoint import config_differences
 from aiinfra_jax.config import runtime_keys, to_dict
 from aiinfra_jax.models.attention.msa import routing_layer_indices
-from aiinfra_jax.models.attention.msa_routing import bank_chunk_padding
+from aiinfra_jax.models.attention.msa_routing import bank_chunk_padding, unit_keys
+
+_unit_keys = jax.jit(unit_keys, donate_argnums=0)
 from aiinfra_jax.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -293,8 +295,9 @@ class MemoryBank:
         _write_manifest(self.path, self.manifest)
 
     def to_device(self, mesh: jax.sharding.Mesh | None = None) -> DeviceBank:
-        """The bank on the device (DeviceBank: arrays {"layers": {i: {route_k [Cp,K,Dh], k, v
-        [Ckv',K,Dh]}}, "chunk_doc" [Cp], "kv_start", "kv_chunks" [N]} and max_doc_chunks). The
+        """The bank on the device (DeviceBank: arrays {"layers": {i: {route_k [Cp,K,Dh] (unit
+        length per head: msa_routing.unit_keys, as routing scores them), k, v [Ckv',K,Dh]}},
+        "chunk_doc" [Cp], "kv_start", "kv_chunks" [N]} and max_doc_chunks). The
         routing chunks are padded to the scoring tile (msa_routing.bank_chunk_padding; the padding
         belongs to document N: never scored), the key/value chunks to a multiple of the devices
         (never gathered). With a mesh the chunk arrays are split over its axes > 1, so that each
@@ -325,6 +328,8 @@ class MemoryBank:
         layers = {i: {name: put(np.pad(self.array(f"layer_{i}.{name}"),
                                        ((0, pad[name]), (0, 0), (0, 0))))
                       for name in ARRAYS} for i in self.layers}
+        for arrays in layers.values():  # normalised once here, not by every query's scoring
+            arrays["route_k"] = _unit_keys(arrays["route_k"])
         start = np.concatenate([[0], np.cumsum(kv_chunks)[:-1]]).astype(np.int32)
         return DeviceBank({"layers": layers, "chunk_doc": put(chunk_doc),
                            "kv_start": jnp.asarray(start), "kv_chunks": jnp.asarray(kv_chunks)},

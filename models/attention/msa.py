@@ -469,7 +469,8 @@ class MSAttention(nnx.Module):
             reads = (jnp.zeros((batch, seq), jnp.bool_) if segment_ids is None
                      else query_roles(segment_ids)[2])
             scores = bank_document_scores(p["q_route"], reads, bank["route_k"],
-                                          bank["chunk_doc"], bank["kv_start"].shape[0], c)
+                                          bank["chunk_doc"], bank["kv_start"].shape[0], c,
+                                          keys_normalized=True)  # DeviceBank's route_k
             docs = jnp.where(self.routes[...] > 0, select_bank_documents(scores, c.top_k), -1)
             mem_k, mem_v, mem = gather_memory(bank["k"], bank["v"], bank["kv_start"],
                                               bank["kv_chunks"], docs, m // c.top_k)

@@ -100,21 +100,36 @@ def _l2_normalize(x: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True), 1e-30))
 
 
+def unit_keys(route_k: jax.Array) -> jax.Array:
+    """Pooled routing keys [..., K, Dh] as chunk_scores normalises them (float32, unit length per
+    head), for keys scored many times: a memory bank's, once when it goes to the device."""
+    return _l2_normalize(route_k)
+
+
 def chunk_scores(q_route: jax.Array, k_route_chunks: jax.Array, reads: jax.Array,
-                 cfg: Any) -> jax.Array:
+                 cfg: Any, keys_normalized: bool = False) -> jax.Array:
     """Chunk scores [B,C] float32: reduce over the router-read query tokens (cfg.query_reduce) of
     reduce over heads (cfg.head_reduce; query head h uses key head h // G) of cos(q_route,
     k_route_chunk), from rotated routing queries [B,T,H,Dh], pooled routing keys [B,C,K,Dh] (one
     set per row) or [C,K,Dh] (shared by every row: a memory bank's tile) and reads [B,T]. A row
     without router-read tokens gets -inf ("max"), 0 ("mean") or its first token's score ("last");
-    the document reduction masks it."""
+    the document reduction masks it. keys_normalized: the keys are unit_keys(...) already (a
+    memory bank's, MemoryBank.to_device), so they are not normalised again."""
     batch, seq, heads, dh = q_route.shape
     kv_heads = k_route_chunks.shape[-2]
     q = _l2_normalize(q_route).reshape(batch, seq, kv_heads, heads // kv_heads, dh)
-    k = _l2_normalize(k_route_chunks)
-    pattern = "btkgd,ckd->btkgc" if k.ndim == 3 else "btkgd,bckd->btkgc"
-    cos = jnp.einsum(pattern, q, k).reshape(batch, seq, heads, -1)
-    s_btc = jnp.mean(cos, axis=2) if cfg.head_reduce == "mean" else jnp.max(cos, axis=2)
+    k = k_route_chunks if keys_normalized else _l2_normalize(k_route_chunks)
+    if cfg.head_reduce == "mean":
+        # The mean over heads of q_h . k_(h//G) is one dot over [kv head, Dh]: the G unit query
+        # vectors of a key head summed (over H) against its unit key. One [B*T, K*Dh] x [K*Dh, C]
+        # product instead of H products of depth Dh and a [B,T,H,C] buffer to average: 5-10x
+        # faster over a memory bank, whose cost is this product (eval/BENCHMARKS.md "MSA").
+        q_mean = (jnp.sum(q, axis=3) / heads).reshape(batch, seq, kv_heads * dh)
+        k_flat = k.reshape(k.shape[:-2] + (kv_heads * dh,))
+        s_btc = jnp.einsum("btd,cd->btc" if k.ndim == 3 else "btd,bcd->btc", q_mean, k_flat)
+    else:
+        pattern = "btkgd,ckd->btkgc" if k.ndim == 3 else "btkgd,bckd->btkgc"
+        s_btc = jnp.max(jnp.einsum(pattern, q, k).reshape(batch, seq, heads, -1), axis=2)
     r = reads[:, :, None]
     if cfg.query_reduce == "max":
         return jnp.max(jnp.where(r, s_btc, -jnp.inf), axis=1)
@@ -138,10 +153,9 @@ def accumulate_document_scores(acc: tuple[jax.Array, jax.Array], s_bc: jax.Array
     """Folds chunk scores s [B,C] into their documents chunk_doc [B,C] (N = no document)."""
     value, count = acc
     rows = jnp.broadcast_to(jnp.arange(s_bc.shape[0])[:, None], chunk_doc_bc.shape)
-    if chunk_reduce == "max":
-        value = value.at[rows, chunk_doc_bc].max(s_bc)
-    else:
-        value = value.at[rows, chunk_doc_bc].add(s_bc)
+    if chunk_reduce == "max":  # finish_document_scores needs no count: -inf marks no chunks
+        return value.at[rows, chunk_doc_bc].max(s_bc), count
+    value = value.at[rows, chunk_doc_bc].add(s_bc)
     return value, count.at[rows, chunk_doc_bc].add(1)
 
 
@@ -305,7 +319,7 @@ def bank_chunk_padding(total: int, devices: int = 1) -> int:
     return share * devices
 
 
-def _scan_bank(q_route, reads, route_k, chunk_doc, n_docs: int, cfg: Any):
+def _scan_bank(q_route, reads, route_k, chunk_doc, n_docs: int, cfg: Any, keys_normalized: bool):
     """The running (value, count) [B,N+1] of a scan over tiles of min(BANK_TILE, Cp) chunks."""
     total = route_k.shape[0]
     tile = min(BANK_TILE, total)
@@ -318,7 +332,7 @@ def _scan_bank(q_route, reads, route_k, chunk_doc, n_docs: int, cfg: Any):
 
     def body(acc, xs):
         k_tile, d_tile = xs
-        s_bc = chunk_scores(q_route, k_tile, reads, cfg)
+        s_bc = chunk_scores(q_route, k_tile, reads, cfg, keys_normalized)
         d_bc = jnp.broadcast_to(d_tile[None], s_bc.shape)
         return accumulate_document_scores(acc, s_bc, d_bc, cfg.chunk_reduce), None
 
@@ -328,7 +342,8 @@ def _scan_bank(q_route, reads, route_k, chunk_doc, n_docs: int, cfg: Any):
 
 
 def bank_document_scores(q_route: jax.Array, reads: jax.Array, route_k: jax.Array,
-                         chunk_doc: jax.Array, n_docs: int, cfg: Any) -> jax.Array:
+                         chunk_doc: jax.Array, n_docs: int, cfg: Any,
+                         keys_normalized: bool = False) -> jax.Array:
     """Scores [B,N] of a bank's N documents (-inf in rows without router-read tokens): routing
     queries [B,T,H,Dh], reads [B,T], the bank's pooled routing keys route_k [Cp,K,Dh] with their
     documents chunk_doc [Cp] (N for padding). A scan over tiles of chunks, so memory stays
@@ -336,13 +351,14 @@ def bank_document_scores(q_route: jax.Array, reads: jax.Array, route_k: jax.Arra
     Cp, each device scans its own share of the chunks (a shard_map; the bank arrays are best
     placed split over those axes already, as MemoryBank.to_device(mesh) does) and the partial
     document scores are combined (max: pmax; mean: psum of sums and counts); the result is the
-    same as on one device."""
+    same as on one device. keys_normalized: route_k is unit_keys(...) already (MemoryBank.to_device
+    stores it so: the bank's keys are normalised once, not at every query)."""
     axes, devices = bank_axes()
     if devices > 1 and route_k.shape[0] % devices == 0:
         mesh = jax.sharding.get_abstract_mesh()
 
         def local(q, r, k_loc, d_loc):
-            value, count = _scan_bank(q, r, k_loc, d_loc, n_docs, cfg)
+            value, count = _scan_bank(q, r, k_loc, d_loc, n_docs, cfg, keys_normalized)
             value = (jax.lax.pmax(value, axes) if cfg.chunk_reduce == "max"
                      else jax.lax.psum(value, axes))
             return value, jax.lax.psum(count, axes)
@@ -351,7 +367,7 @@ def bank_document_scores(q_route: jax.Array, reads: jax.Array, route_k: jax.Arra
         acc = shard_map_over(local, mesh, (P(), P(), split, split), (P(), P()), check=False)(
             q_route, reads, route_k, chunk_doc)
     else:
-        acc = _scan_bank(q_route, reads, route_k, chunk_doc, n_docs, cfg)
+        acc = _scan_bank(q_route, reads, route_k, chunk_doc, n_docs, cfg, keys_normalized)
     scores = finish_document_scores(acc, cfg.chunk_reduce)
     return jnp.where(jnp.any(reads, axis=1)[:, None], scores, -jnp.inf)
 

@@ -71,6 +71,13 @@ def test_tiled_bank_scores_equal_row_scores(monkeypatch, reduce):
     monkeypatch.setattr(msa_routing, "BANK_TILE", 4)
     got = bank_document_scores(q_route, reads, route_k, chunk_doc, len(DOC_LENGTHS), cfg)[0]
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=2e-6)
+    # A device bank's keys are normalised once (MemoryBank.to_device) and not again.
+    unit = bank_document_scores(q_route, reads, msa_routing.unit_keys(route_k), chunk_doc,
+                                len(DOC_LENGTHS), cfg, keys_normalized=True)[0]
+    np.testing.assert_allclose(np.asarray(unit), np.asarray(want), rtol=0, atol=2e-6)
+    raw = bank_document_scores(q_route, reads, 3.0 * route_k, chunk_doc, len(DOC_LENGTHS), cfg,
+                               keys_normalized=True)[0]  # the flag really skips the norm
+    assert not np.allclose(np.asarray(raw), np.asarray(want), atol=1e-3)
 
 
 def _full_forward_logits(model, docs, prompt, answer):
