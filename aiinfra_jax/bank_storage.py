@@ -46,12 +46,11 @@ from aiinfra_jax.checksums import crc32, json_crc32
 from aiinfra_jax.checkpoint import config_differences
 from aiinfra_jax.config import runtime_keys, to_dict
 from aiinfra_jax.models.attention.msa import routing_layer_indices
-from aiinfra_jax.models.attention.msa_routing import bank_chunk_padding, unit_keys
-
-_unit_keys = jax.jit(unit_keys, donate_argnums=0)
+from aiinfra_jax.models.attention.msa_routing import HostRows, bank_chunk_padding, unit_keys
 from aiinfra_jax.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
+_unit_keys = jax.jit(unit_keys, donate_argnums=0)  # MemoryBank.to_device: routing keys, once
 
 FORMAT = "aiinfra-msa-bank/1"
 ARRAYS = ("route_k", "k", "v")  # per routing layer, float32 [Cb, K, Dh] / [Ckv, K, Dh] / same
@@ -294,7 +293,8 @@ class MemoryBank:
                              longest_doc=max(m["longest_doc"], longest), appending=False)
         _write_manifest(self.path, self.manifest)
 
-    def to_device(self, mesh: jax.sharding.Mesh | None = None) -> DeviceBank:
+    def to_device(self, mesh: jax.sharding.Mesh | None = None, *,
+                  kv_on_host: bool = False) -> DeviceBank:
         """The bank on the device (DeviceBank: arrays {"layers": {i: {route_k [Cp,K,Dh] (unit
         length per head: msa_routing.unit_keys, as routing scores them), k, v [Ckv',K,Dh]}},
         "chunk_doc" [Cp], "kv_start", "kv_chunks" [N]} and max_doc_chunks). The
@@ -302,7 +302,10 @@ class MemoryBank:
         belongs to document N: never scored), the key/value chunks to a multiple of the devices
         (never gathered). With a mesh the chunk arrays are split over its axes > 1, so that each
         device scores its own share (msa_routing.bank_document_scores); query under that mesh
-        (bank_prefill's mesh)."""
+        (bank_prefill's mesh). kv_on_host: k and v stay in their memory-mapped files
+        (msa_routing.HostRows: a query reads only its chosen documents' rows, through a host
+        callback), so the device holds the routing keys alone, about a fifth of the bank with
+        the preset's chunks; the files must not be rewritten while the DeviceBank is used."""
         if self.n_docs == 0:
             raise BankError(f"memory bank {self.path} is empty; append documents first")
         axes, devices = (), 1
@@ -324,12 +327,16 @@ class MemoryBank:
             spec = jax.sharding.PartitionSpec(axes, *([None] * (a.ndim - 1)))
             return jax.device_put(a, jax.sharding.NamedSharding(mesh, spec))
 
-        pad = {"route_k": padded - total, "k": kv_padded - kv_total, "v": kv_padded - kv_total}
-        layers = {i: {name: put(np.pad(self.array(f"layer_{i}.{name}"),
-                                       ((0, pad[name]), (0, 0), (0, 0))))
-                      for name in ARRAYS} for i in self.layers}
-        for arrays in layers.values():  # normalised once here, not by every query's scoring
-            arrays["route_k"] = _unit_keys(arrays["route_k"])
+        def load(i, name):
+            if name == "route_k":  # normalised once here, not by every query's scoring
+                return _unit_keys(put(np.pad(self.array(f"layer_{i}.{name}"),
+                                             ((0, padded - total), (0, 0), (0, 0)))))
+            if kv_on_host:
+                return HostRows(self.array(f"layer_{i}.{name}"))
+            return put(np.pad(self.array(f"layer_{i}.{name}"),
+                              ((0, kv_padded - kv_total), (0, 0), (0, 0))))
+
+        layers = {i: {name: load(i, name) for name in ARRAYS} for i in self.layers}
         start = np.concatenate([[0], np.cumsum(kv_chunks)[:-1]]).astype(np.int32)
         return DeviceBank({"layers": layers, "chunk_doc": put(chunk_doc),
                            "kv_start": jnp.asarray(start), "kv_chunks": jnp.asarray(kv_chunks)},

@@ -8,7 +8,9 @@
 build: encodes a local collection (a .jsonl file with a "text" field, a text file of blank-line
 separated paragraphs, or a folder of .txt files; aiinfra_jax/memory_bank.read_documents) into a
 bank (aiinfra_jax/memory_bank.py), with a progress bar. query: routes a prompt over the bank and
-prints the greedy answer and the documents each routing layer chose.
+prints the greedy answer and the documents each routing layer chose. query and niah take
+--kv-on-host: the bank's keys and values stay in their files and each query reads only its chosen
+documents' (MemoryBank.to_device(kv_on_host=True)), for banks larger than the device's memory.
 
 niah: the memory mode of the long-context evaluation. A bank of generated documents in the
 distribution the model was trained on (the run's ``synthetic:msa_niah`` source: its haystack, its
@@ -213,12 +215,12 @@ def _accuracy_by_position(hits: list[np.ndarray]) -> list[float]:
 
 
 def evaluate_size(model, tokenizer, bank: mb.MemoryBank, needles, *, batch: int,
-                  max_new_tokens: int, mesh=None, doc_keys: list | None = None
-                  ) -> dict[str, Any]:
+                  max_new_tokens: int, mesh=None, doc_keys: list | None = None,
+                  kv_on_host: bool = False) -> dict[str, Any]:
     """Exact match, routing recall and timings of the bank as it is (module docstring); mesh:
     the model's (the bank's chunks are scored split over its devices); doc_keys: the key of every
-    collection document (None = no fact), for near_misses."""
-    device_bank = bank.to_device(mesh)
+    collection document (None = no fact), for near_misses; kv_on_host: MemoryBank.to_device's."""
+    device_bank = bank.to_device(mesh, kv_on_host=kv_on_host)
     prompts = [[tokenizer.bos_id] + hs.encode(tokenizer, query_prompt(key)).tolist()
                for _, key, _ in needles]
     right, found, first_choice = np.zeros(len(needles), bool), {}, {}
@@ -292,7 +294,8 @@ def evaluate_size(model, tokenizer, bank: mb.MemoryBank, needles, *, batch: int,
 
 
 def run_niah(checkpoint: str, sizes: list[int], out_dir: Path, *, queries: int, batch: int,
-             max_new_tokens: int, overrides=(), seed: int = EVAL_SEED) -> dict[str, Any]:
+             max_new_tokens: int, overrides=(), seed: int = EVAL_SEED,
+             kv_on_host: bool = False) -> dict[str, Any]:
     if not 0 <= seed < TRAIN_SEED_BASE:
         raise ValueError(f"niah: --seed {seed} is outside [0, 2**40); seeds from 2**40 up are "
                          "the training data's (data/synthetic_msa.py), so an evaluation drawn "
@@ -315,7 +318,7 @@ def run_niah(checkpoint: str, sizes: list[int], out_dir: Path, *, queries: int, 
         enc_s = time.perf_counter() - t0
         row = evaluate_size(model, tok, bank, col["needles"], batch=batch,
                             max_new_tokens=max_new_tokens, mesh=loaded.mesh,
-                            doc_keys=col["doc_keys"])
+                            doc_keys=col["doc_keys"], kv_on_host=kv_on_host)
         row.update(size=format_length(size),
                    encode_tokens_per_s=sum(d.size for d in part) / enc_s)
         rows.append(row)
@@ -323,7 +326,7 @@ def run_niah(checkpoint: str, sizes: list[int], out_dir: Path, *, queries: int, 
               flush=True)
         start = stop
     result = {"checkpoint": str(checkpoint), "step": loaded.step, "queries": queries,
-              "seed": seed,
+              "seed": seed, "kv_on_host": kv_on_host,
               "top_k": model.cfg.msa.top_k, "chunk": model.cfg.msa.chunk,
               "kv_chunk": model.cfg.msa.resolved_kv_chunk,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows}
@@ -386,6 +389,10 @@ def main(argv=None) -> int:
     n.add_argument("--seed", type=int, default=EVAL_SEED,
                    help=f"draws the collection: documents, keys, values, needle places "
                         f"(default {EVAL_SEED}; any value in [0, 2**40))")
+    for p in (q, n):
+        p.add_argument("--kv-on-host", action="store_true",
+                       help="leave the bank's keys and values in their files and read only the "
+                            "chosen documents' (the device holds the routing keys alone)")
     for p in (b, q, n):
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="run-time overrides of the model (model.msa.implementation=xla, ...)")
@@ -406,7 +413,8 @@ def main(argv=None) -> int:
             tok = loaded.tokenizer
             bank = mb.MemoryBank.open(args.bank, model=loaded.model)
             prompt = [tok.bos_id] + list(tok.encode(args.prompt))
-            ans = mb.generate_from_bank(loaded.model, bank.to_device(loaded.mesh), [prompt],
+            device_bank = bank.to_device(loaded.mesh, kv_on_host=args.kv_on_host)
+            ans = mb.generate_from_bank(loaded.model, device_bank, [prompt],
                                         max_new_tokens=args.max_new_tokens, eos_id=tok.eos_id,
                                         mesh=loaded.mesh)
             ids = bank.doc_ids()
@@ -419,7 +427,8 @@ def main(argv=None) -> int:
             sizes = [parse_length(s) for s in args.sizes.split(",") if s.strip()]
             result = run_niah(args.checkpoint, sizes, Path(args.out_dir), queries=args.queries,
                               batch=args.batch, max_new_tokens=args.max_new_tokens,
-                              overrides=args.set, seed=args.seed)
+                              overrides=args.set, seed=args.seed,
+                              kv_on_host=args.kv_on_host)
             print(markdown(result))
     except (mb.BankError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from ..partitioning import mesh_axis_sizes, shard_map_over
@@ -382,13 +383,44 @@ def select_bank_documents(scores_bn: jax.Array, top_k: int) -> jax.Array:
     return jnp.pad(docs, ((0, 0), (0, top_k - k)), constant_values=-1)
 
 
+@jax.tree_util.register_static
+class HostRows:
+    """A memory bank's key or value rows [R, K, Dh] left in host memory (a memory-mapped file:
+    MemoryBank.to_device(kv_on_host=True)) and read inside the compiled prefill by a host callback,
+    so that only the gathered rows reach the device. A static pytree node (no leaves, compared by
+    identity): a jitted function that receives one compiles for it. The file must stay as it is
+    while the rows are in use (appends are fine: rows already there do not move)."""
+
+    def __init__(self, rows: np.ndarray):
+        if rows.ndim != 3:
+            raise ValueError(f"HostRows: rows must be [R, K, Dh], got shape {rows.shape}")
+        self.rows = rows
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.rows.shape)
+
+    def take(self, index: jax.Array) -> jax.Array:
+        """rows[index] as float32 [*index.shape, K, Dh] (index: int32 in [0, R))."""
+        def read(i):
+            return np.asarray(self.rows[np.asarray(i)], np.float32)
+
+        shape = jax.ShapeDtypeStruct(tuple(index.shape) + self.shape[1:], jnp.float32)
+        return jax.pure_callback(read, shape, index)
+
+
+def _take_rows(rows: jax.Array | HostRows, index: jax.Array) -> jax.Array:
+    return rows.take(index) if isinstance(rows, HostRows) else rows[index]
+
+
 def gather_memory(bank_k: jax.Array, bank_v: jax.Array, kv_start: jax.Array,
                   kv_chunks: jax.Array, docs_bk: jax.Array, max_chunks: int
                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(mem_k, mem_v [B,K,M,Dh], valid [B,M]) with M = k * max_chunks: the r-th selected
     document in increasing document order (the order of a packed row's chunks, so that sums run
     as in training) has its key/value chunks c < kv_chunks[doc] at memory slots r * max_chunks +
-    c, from the bank's pooled keys and values [Ckv,K,Dh] (document d's at kv_start[d] ...);
+    c, from the bank's pooled keys and values [Ckv,K,Dh] (device arrays, or HostRows read by a
+    host callback; document d's at kv_start[d] ...);
     docs_bk [B,k] in any order (-1 = none)."""
     batch, k = docs_bk.shape
     big = jnp.iinfo(jnp.int32).max
@@ -398,8 +430,8 @@ def gather_memory(bank_k: jax.Array, bank_v: jax.Array, kv_start: jax.Array,
     d = jnp.maximum(docs_bk, 0)
     valid = (docs_bk >= 0)[:, :, None] & (c[None, None, :] < kv_chunks[d][:, :, None])
     index = jnp.where(valid, kv_start[d][:, :, None] + c, 0).reshape(batch, k * max_chunks)
-    mem_k = bank_k[index].swapaxes(1, 2)  # [B,M,K,Dh] -> head-major
-    mem_v = bank_v[index].swapaxes(1, 2)
+    mem_k = _take_rows(bank_k, index).swapaxes(1, 2)  # [B,M,K,Dh] -> head-major
+    mem_v = _take_rows(bank_v, index).swapaxes(1, 2)
     valid = valid.reshape(batch, k * max_chunks)
     zero = jnp.zeros((), mem_k.dtype)
     return (jnp.where(valid[:, None, :, None], mem_k, zero),

@@ -27,8 +27,16 @@ def test_memory_cli_build_query_niah(tmp_path, capsys):
     assert "3 documents" in capsys.readouterr().out
     assert memory.main(["query", "--checkpoint", run, "--bank", bank, "--prompt",
                         "golden-harbor is ", "--max-new-tokens", "3"]) == 0
-    err = capsys.readouterr().err
-    assert "layer 1 read documents: ['doc" in err
+    said = capsys.readouterr()
+    assert "layer 1 read documents: ['doc" in said.err
+    # keys and values left in the bank's files: the same answer from the same documents
+    assert memory.main(["query", "--checkpoint", run, "--bank", bank, "--prompt",
+                        "golden-harbor is ", "--max-new-tokens", "3", "--kv-on-host"]) == 0
+    hosted = capsys.readouterr()
+    def read(err):
+        return [line for line in err.splitlines() if "read documents" in line]
+
+    assert hosted.out == said.out and read(hosted.err) == read(said.err) != []
     assert memory.main(["build", "--checkpoint", run, "--docs", str(docs), "--out",
                         str(tmp_path / "b2"), "--max-doc-length", "8"]) == 2
     assert "max_doc_length=8" in capsys.readouterr().err

@@ -216,6 +216,30 @@ def test_bad_banks_and_documents_are_refused(tmp_path):
         mb.MemoryBank.open(tmp_path)
 
 
+def test_keys_and_values_left_on_host_give_the_same_answers(tmp_path):
+    """to_device(kv_on_host=True): the keys and values stay in their memory-mapped files and the
+    prefill reads the chosen rows through a host callback; the device holds no key/value arrays,
+    and the logits, chosen documents and greedy answers equal those of the bank on the device."""
+    model = _model()
+    bank = mb.build_bank(model, _docs(), tmp_path / "bank", max_doc_length=16)
+    on_device, on_host = bank.to_device(), bank.to_device(kv_on_host=True)
+    layer = on_host.arrays["layers"][1]
+    assert isinstance(layer["k"], msa_routing.HostRows) and layer["k"].shape[0] == bank.n_kv_chunks
+    leaves = jax.tree.leaves(on_host.arrays["layers"])  # the routing keys alone
+    assert len(leaves) == len(bank.layers) == len(jax.tree.leaves(on_device.arrays["layers"])) // 3
+    tokens = np.asarray([[5, 9, 2, 11, 7], [3, 8, 1, 0, 0]], np.int32)
+    lengths = np.asarray([5, 3], np.int32)
+    want = mb.bank_prefill(model, on_device, tokens, lengths, 12)
+    got = mb.bank_prefill(model, on_host, tokens, lengths, 12)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(mb.cache_documents(model, got[1])[1],
+                                  mb.cache_documents(model, want[1])[1])
+    answers = [mb.generate_from_bank(model, b, PROMPTS, max_new_tokens=4)
+               for b in (on_device, on_host)]
+    np.testing.assert_array_equal(np.asarray(answers[0].result.tokens),
+                                  np.asarray(answers[1].result.tokens))
+
+
 def test_sharded_bank_scoring_equals_one_device(tmp_path):
     """The bank's chunks split over 8 devices (data 2 x fsdp 2 x tensor 2): every device scores
     its share in a shard_map and the partial scores are combined; the prefill's logits and chosen
@@ -238,6 +262,9 @@ def test_sharded_bank_scoring_equals_one_device(tmp_path):
     np.testing.assert_allclose(np.asarray(many[0]), np.asarray(one[0]), rtol=0, atol=1e-5)
     np.testing.assert_array_equal(mb.cache_documents(model, many[1])[1],
                                   mb.cache_documents(model, one[1])[1])
+    hosted = mb.bank_prefill(model, bank.to_device(mesh, kv_on_host=True), tokens, lengths, 12,
+                             mesh=mesh)  # keys and values read from the files by a callback
+    np.testing.assert_allclose(np.asarray(hosted[0]), np.asarray(one[0]), rtol=0, atol=1e-5)
     graphdef, state = nnx.split(model)
     with shd.activation_rules(mesh):
         hlo = mb._bank_prefill.lower(graphdef, state, sharded_bank.arrays, jnp.asarray(tokens),
