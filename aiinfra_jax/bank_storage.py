@@ -31,6 +31,7 @@ file.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -50,7 +51,13 @@ from aiinfra_jax.models.attention.msa_routing import HostRows, bank_chunk_paddin
 from aiinfra_jax.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
-_unit_keys = jax.jit(unit_keys, donate_argnums=0)  # MemoryBank.to_device: routing keys, once
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _unit_keys(route_k: jax.Array, rows: int) -> jax.Array:
+    """MemoryBank.to_device's routing keys: zero-padded to `rows`, normalised once."""
+    return unit_keys(jnp.pad(route_k, ((0, rows - route_k.shape[0]), (0, 0), (0, 0))))
+
 
 FORMAT = "aiinfra-msa-bank/1"
 ARRAYS = ("route_k", "k", "v")  # per routing layer, float32 [Cb, K, Dh] / [Ckv, K, Dh] / same
@@ -328,13 +335,17 @@ class MemoryBank:
             return jax.device_put(a, jax.sharding.NamedSharding(mesh, spec))
 
         def load(i, name):
+            rows = self.array(f"layer_{i}.{name}")  # memory-mapped: one copy to the device
             if name == "route_k":  # normalised once here, not by every query's scoring
-                return _unit_keys(put(np.pad(self.array(f"layer_{i}.{name}"),
-                                             ((0, padded - total), (0, 0), (0, 0)))))
+                if devices == 1:  # padded on the device: no padded copy on the host
+                    return _unit_keys(put(rows), padded)
+                return _unit_keys(put(np.pad(rows, ((0, padded - total), (0, 0), (0, 0)))),
+                                  padded)
             if kv_on_host:
-                return HostRows(self.array(f"layer_{i}.{name}"))
-            return put(np.pad(self.array(f"layer_{i}.{name}"),
-                              ((0, kv_padded - kv_total), (0, 0), (0, 0))))
+                return HostRows(rows)
+            if kv_padded > kv_total:
+                rows = np.pad(rows, ((0, kv_padded - kv_total), (0, 0), (0, 0)))
+            return put(rows)
 
         layers = {i: {name: load(i, name) for name in ARRAYS} for i in self.layers}
         start = np.concatenate([[0], np.cumsum(kv_chunks)[:-1]]).astype(np.int32)
