@@ -40,6 +40,13 @@ the GPU machine it runs from the bare checkout with that machine's python3:
 `python3 eval/bench_leapquant.py --cost --batches 1,8,64,256` (implementation=None: the Pallas
 GPU read kernel on cuda).
 
+Prefix mode (issue 23's memory with prefix caching):
+    python -m aiinfra_jax.eval.bench_leapquant --prefix [--prefix-configs configs/gdn_tiny.py,...]
+        [--prefix-tokens 3840] [--prefix-every 1024] [--prefix-decode 256] [--set KEY=VALUE]
+Per config and state format (none, bf16_per_step, int8), a freshly initialised model (bytes do not
+depend on training) prefills one shared random prompt with a prefix-cache snapshot every
+--prefix-every tokens (models/prefix_cache.py); the snapshots' bytes (gated-delta layers apart
+from attention layers) and one request's live cache bytes, with their ratios to float32.
 Quality mode (issue 23's perplexity on a trained run, `--quality --checkpoint RUN ...`): see
 eval/leapquant_quality.py.
 """
@@ -274,6 +281,84 @@ def cost_main(a) -> int:
     return 0
 
 
+# -- Prefix mode: what prefix-cache snapshots hold per state format
+
+PREFIX_SETTINGS = ("none", "bf16_per_step", "int8")  # model.gated_delta.state_quant ("none": off)
+
+
+def _cache_bytes(cache, mixers: tuple[str, ...]) -> tuple[int, int]:
+    """(bytes of the gated-delta layers' caches, bytes of the other layers') of a decode cache
+    (a tuple of scanned blocks of per-layer caches, in layer order; layer i runs
+    mixers[i % len(mixers)])."""
+    from aiinfra_jax.models.prefix_cache import snapshot_nbytes
+
+    layers = [layer for block in cache for layer in block]
+    recurrent = other = 0
+    for i, layer in enumerate(layers):
+        n = snapshot_nbytes(layer)  # a snapshot's left-out records count 0
+        if mixers[i % len(mixers)] in ("gdn", "kda"):
+            recurrent += n
+        else:
+            other += n
+    return recurrent, other
+
+
+def prefix_memory(config: str, *, tokens: int, every: int, decode: int, settings=PREFIX_SETTINGS,
+                  overrides=(), seed: int = 0) -> list[dict]:
+    """Per setting: a freshly initialised model of `config` (bytes do not depend on training)
+    prefills one shared prompt of `tokens` random tokens with a snapshot every `every` tokens
+    (models/prefix_cache.prefill_with_snapshots, cache room tokens + decode); the bytes of the
+    snapshots (gated-delta layers apart from attention layers) and of one request's live cache."""
+    from aiinfra_jax.models.prefix_cache import prefill_with_snapshots, snapshot_nbytes
+
+    rows = []
+    for setting in settings:
+        quant = "None" if setting == "none" else setting
+        cfg = load_config(config, [*overrides, f"model.gated_delta.state_quant={quant}"])
+        model_cfg = cfg.model.with_vocab(load_tokenizer(cfg.data.tokenizer).vocab_size)
+        model = Transformer(model_cfg, rngs=nnx.Rngs(seed))
+        prompt = np.random.default_rng(seed).integers(1, model_cfg.vocab_size, (1, tokens))
+        _, cache, snaps = prefill_with_snapshots(model, prompt, every=every,
+                                                 max_len=tokens + decode)
+        parts = [_cache_bytes(snap, model_cfg.mixers) for snap in snaps.values()]
+        live = _cache_bytes(cache, model_cfg.mixers)
+        rows.append({"config": config, "setting": setting, "snapshots": len(snaps),
+                     "snapshot_bytes": sum(snapshot_nbytes(v) for v in snaps.values()),
+                     "snapshot_recurrent_bytes": sum(r for r, _ in parts),
+                     "snapshot_attention_bytes": sum(o for _, o in parts),
+                     "live_recurrent_bytes": live[0], "live_attention_bytes": live[1]})
+    return rows
+
+
+def prefix_main(a) -> int:
+    configs = [c for c in a.prefix_configs.split(",") if c]
+    print(f"prefix-cache snapshots: one shared prompt of {a.prefix_tokens} tokens, a snapshot every "
+          f"{a.prefix_every}, cache room for {a.prefix_decode} decoded tokens; fresh models "
+          "(bytes do not depend on training)")
+    print("\n| config | state | snapshots | snapshot bytes (gated-delta layers / attention layers)"
+          " | vs float32 | live cache per request (gated-delta / attention) | vs float32 |")
+    print("|---|---|---:|---|---:|---|---:|")
+    out = []
+    for config in configs:
+        rows = prefix_memory(config, tokens=a.prefix_tokens, every=a.prefix_every,
+                             decode=a.prefix_decode, overrides=a.set, seed=a.seed)
+        base = rows[0] if rows[0]["setting"] == "none" else None
+        for r in rows:
+            live = r["live_recurrent_bytes"] + r["live_attention_bytes"]
+            snap_ratio = live_ratio = "-"
+            if base is not None:
+                snap_ratio = f"{r['snapshot_bytes'] / base['snapshot_bytes']:.2f}x"
+                live_ratio = (f"{live / (base['live_recurrent_bytes'] + base['live_attention_bytes']):.2f}x")
+            print(f"| {config} | {r['setting']} | {r['snapshots']} | {r['snapshot_bytes']:,} "
+                  f"({r['snapshot_recurrent_bytes']:,} / {r['snapshot_attention_bytes']:,}) | "
+                  f"{snap_ratio} | {live:,} ({r['live_recurrent_bytes']:,} / "
+                  f"{r['live_attention_bytes']:,}) | {live_ratio} |", flush=True)
+        out.extend(rows)
+    if a.out:
+        Path(a.out).write_text(json.dumps({"argv": sys.argv[1:], "rows": out}, indent=1))
+    return 0
+
+
 # -- Quality mode: next-token loss of a trained run decoded through its (quantized) state cache
 
 def main(argv=None) -> int | None:
@@ -311,9 +396,24 @@ def main(argv=None) -> int | None:
     c.add_argument("--cost-formats", default=",".join(COST_FORMATS),
                    help="comma-separated state formats (none = float32)")
     c.add_argument("--repeats", type=int, default=7, help="timed calls per format (median)")
+    x = p.add_argument_group("prefix mode: bytes of prefix-cache snapshots per state format")
+    x.add_argument("--prefix", action="store_true",
+                   help="snapshot bytes per model.gated_delta.state_quant setting "
+                        f"({', '.join(PREFIX_SETTINGS)})")
+    x.add_argument("--prefix-configs",
+                   default="configs/gdn_tiny.py,configs/kda_tiny.py,configs/hybrid_tiny.py")
+    x.add_argument("--prefix-tokens", type=int, default=3840,
+                   help="shared prompt tokens (with --prefix-decode: the presets' 4096 positions)")
+    x.add_argument("--prefix-every", type=int, default=1024, help="tokens between snapshots")
+    x.add_argument("--prefix-decode", type=int, default=256,
+                   help="cache room for decoded tokens after the prompt")
+    x.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config overrides for every prefix config")
     a = p.parse_args(argv)
     if a.cost:
         return cost_main(a)
+    if a.prefix:
+        return prefix_main(a)
     if a.quality:
         from aiinfra_jax.eval.leapquant_quality import quality_main  # the only mode reading data
         a.argv = list(sys.argv[1:] if argv is None else argv)

@@ -11,7 +11,8 @@ The prompt runs through the model in chunks of N tokens (every row the same leng
 shared prefix); after each full chunk the whole cache (every layer's) is copied to host memory.
 Nothing here is specific to a mixer, but it is what LeapQuant states are for: a "gdn"/"kda" layer
 with model.gated_delta.state_quant set re-quantizes its state at the end of every multi-token
-call, so each snapshot holds that layer's state as a quantized boundary with no window records
+call, so each snapshot holds that layer's state as a quantized boundary; its window records are
+then empty and left out of the snapshot (ZeroRecords; restore_snapshot recreates them)
 (1.19 bytes per state element at K = V = 128 with int8, against 4 for float32; see
 kernels/leapquant/quantize.bytes_per_element), plus the short-convolution tail and the lengths.
 Restoring a snapshot and continuing (the remaining prompt through `extend` in the same chunks, then
@@ -22,6 +23,7 @@ decoding) computes exactly what the uninterrupted run computes: the same quantiz
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -52,19 +54,51 @@ def extend(model: nnx.Module, cache: Any, tokens: jax.Array, start: int) -> tupl
     return _extend(graphdef, state, cache, tokens, jnp.int32(start))
 
 
+# A LeapQuant state's window records (kernels/leapquant/xla.py): after a multi-token call they are
+# empty (the state was re-quantized: n = 0, records zeroed), yet as buffers they weigh more than
+# the quantized state itself (16 float32 records of K + V + Dg per head against K*V int8).
+_RECORDS = ("rec_k", "rec_u", "rec_g")
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroRecords:
+    """An all-zero record buffer a snapshot leaves out (a pytree leaf holding no data);
+    restore_snapshot recreates it."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+
+
+def _drop_empty_records(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        out = {k: _drop_empty_records(v) for k, v in tree.items()}
+        if all(k in tree for k in _RECORDS + ("n",)) and not np.any(tree["n"]):
+            for k in _RECORDS:
+                if not np.any(tree[k]):  # only what is all zeros: restoring is exact
+                    out[k] = ZeroRecords(tuple(tree[k].shape), tree[k].dtype)
+        return out
+    if isinstance(tree, (list, tuple)):
+        items = [_drop_empty_records(v) for v in tree]
+        return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
+    return tree
+
+
 def snapshot(cache: Any) -> Any:
-    """A host-memory (numpy) copy of a cache pytree."""
-    return jax.device_get(cache)
+    """A host-memory (numpy) copy of a cache pytree, less the empty window records of LeapQuant
+    states (ZeroRecords), which is what makes a quantized snapshot small."""
+    return _drop_empty_records(jax.device_get(cache))
 
 
 def restore_snapshot(snap: Any) -> Any:
     """A fresh device copy of a snapshot, safe to hand to a decode step that donates its cache."""
-    return jax.tree.map(lambda a: jnp.array(a, copy=True), snap)
+    return jax.tree.map(lambda a: (jnp.zeros(a.shape, a.dtype) if isinstance(a, ZeroRecords)
+                                   else jnp.array(a, copy=True)), snap)
 
 
 def snapshot_nbytes(snap: Any) -> int:
     """Bytes a snapshot holds."""
-    return int(sum(np.asarray(a).nbytes for a in jax.tree.leaves(snap)))
+    return int(sum(0 if isinstance(a, ZeroRecords) else np.asarray(a).nbytes
+                   for a in jax.tree.leaves(snap)))
 
 
 def prefill_with_snapshots(model: nnx.Module, tokens: jax.Array, *, every: int = 1024,

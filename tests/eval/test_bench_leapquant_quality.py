@@ -3,6 +3,7 @@ structure, fp32 decode = the state_quant=None path exactly, per-step INT8 != fp3
 
 import dataclasses
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -113,3 +114,28 @@ def test_cost_mode_times_every_format_and_counts_state_bytes(tmp_path, capsys):
     assert by[1, "int8"]["state_bytes_per_row"] > by[1, "int8_per_step"]["state_bytes_per_row"]
     assert by[1, "int8_per_step"]["state_bytes_per_row"] < by[1, "none"]["state_bytes_per_row"]
     assert "| 2 | int8 |" in capsys.readouterr().out
+
+
+def test_prefix_mode_counts_snapshot_bytes_per_state_format(tmp_path, capsys):
+    """--prefix: per setting the snapshots of one shared prompt; int8 snapshots leave out the
+    empty window records, so they are smaller than bf16's and much smaller than float32's,
+    and the hybrid's attention layers weigh the same in every format."""
+    root = Path(__file__).resolve().parents[2] / "configs"
+    out = tmp_path / "prefix.json"
+    assert bench_leapquant.main(["--prefix", "--prefix-configs",
+                                 f"{root / 'gdn_tiny.py'},{root / 'hybrid_tiny.py'}",
+                                 "--prefix-tokens", "40", "--prefix-every", "16",
+                                 "--prefix-decode", "4", "--set", "model.n_layers=4",
+                                 "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["setting"] for r in rows] == list(bench_leapquant.PREFIX_SETTINGS) * 2
+    by = {(Path(r["config"]).name, r["setting"]): r for r in rows}
+    gdn = {s: by["gdn_tiny.py", s] for s in bench_leapquant.PREFIX_SETTINGS}
+    assert all(r["snapshots"] == 2 and r["snapshot_attention_bytes"] == 0 for r in gdn.values())
+    assert (gdn["int8"]["snapshot_bytes"] < gdn["bf16_per_step"]["snapshot_bytes"]
+            < gdn["none"]["snapshot_bytes"])
+    assert gdn["int8"]["snapshot_recurrent_bytes"] < 0.5 * gdn["none"]["snapshot_recurrent_bytes"]
+    hybrid = {s: by["hybrid_tiny.py", s] for s in bench_leapquant.PREFIX_SETTINGS}
+    assert len({r["snapshot_attention_bytes"] for r in hybrid.values()}) == 1
+    assert hybrid["none"]["snapshot_attention_bytes"] > 0
+    assert "| int8 |" in capsys.readouterr().out

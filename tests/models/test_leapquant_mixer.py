@@ -14,8 +14,8 @@ from flax import nnx
 from aiinfra_jax.generate import decode_step, generate, prefill
 from aiinfra_jax.models import ModelConfig, Transformer
 from aiinfra_jax.models.attention.gated_delta import GatedDeltaConfig
-from aiinfra_jax.models.prefix_cache import (extend, prefill_with_snapshots, restore_snapshot,
-                                             snapshot_nbytes)
+from aiinfra_jax.models.prefix_cache import (ZeroRecords, extend, prefill_with_snapshots,
+                                             restore_snapshot, snapshot_nbytes)
 
 # One model holds a gdn and a kda layer, so every compile covers both mixers.
 CFG = ModelConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64,
@@ -106,10 +106,15 @@ def test_a_restored_prefix_snapshot_decodes_like_the_uninterrupted_run(quant_mod
     snap = snaps[16]
     qstates = _qstates(snap)
     assert len(qstates) == 2
-    for q in qstates:  # quantized, at a window boundary: no records held
+    for q in qstates:  # quantized, at a window boundary: no records held, none stored
         assert q["q"].dtype == np.int8 and not np.any(q["n"])
         assert q["q"].nbytes * 4 == 2 * 4 * 16 * 8 * 4  # vs [B,HV,K,V] float32
-    assert snapshot_nbytes(snap) > 0
+        assert all(isinstance(q[name], ZeroRecords) for name in ("rec_k", "rec_u", "rec_g"))
+    full = jax.device_get(cache)  # the same cache with its (empty) record buffers
+    records = sum(np.asarray(q[name]).nbytes for q in _qstates(full)
+                  for name in ("rec_k", "rec_u", "rec_g"))
+    assert records > 0 and snapshot_nbytes(snaps[24]) == sum(
+        np.asarray(a).nbytes for a in jax.tree.leaves(full)) - records
 
     def decode_on(cache, start):
         out = []
