@@ -337,10 +337,9 @@ class MemoryBank:
         def load(i, name):
             rows = self.array(f"layer_{i}.{name}")  # memory-mapped: one copy to the device
             if name == "route_k":  # normalised once here, not by every query's scoring
-                if devices == 1:  # padded on the device: no padded copy on the host
-                    return _unit_keys(put(rows), padded)
-                return _unit_keys(put(np.pad(rows, ((0, padded - total), (0, 0), (0, 0)))),
-                                  padded)
+                if devices > 1:  # the split needs the padded length; else padded on the device
+                    rows = np.pad(rows, ((0, padded - total), (0, 0), (0, 0)))
+                return _unit_keys(put(rows), padded)
             if kv_on_host:
                 return HostRows(rows)
             if kv_padded > kv_total:

@@ -225,16 +225,12 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
-def _mixer_of(cfg, p: int) -> str:
-    return cfg.mixers[p % len(cfg.mixers)]
-
-
 def _cache_layout(cache_spec: Any, cfg, batch) -> list[dict[str, Any]]:
     out = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(cache_spec)[0]:
         keys = path_keys(path)
         r, p, rest = int(keys[0]), int(keys[1]), keys[2:]
-        mixer = _mixer_of(cfg, p)
+        mixer = cfg.mixer_at(p)
         owner = "short_conv" if rest == ["conv"] and cfg.short_conv else mixer
         axes = _AXES.get(("*", rest[-1])) or _AXES.get((owner, rest[-1]))
         entry = {"name": ".".join(["cache"] + keys), "layer": r * cfg.block_size + p,

@@ -101,10 +101,6 @@ def read_source(spec: str, *, setting: str = "checkpoint.initialize_from") -> So
     return Source(tensors, loaded.config.model, f"{path} step {loaded.step}")
 
 
-def _mixer(cfg: ModelConfig, i: int) -> str:
-    return cfg.mixers[i % len(cfg.mixers)]
-
-
 def _shape(a) -> str:
     return f"{np.dtype(a.dtype).name}{list(a.shape)}"
 
@@ -119,7 +115,7 @@ def transplant(cfg: ModelConfig, fresh: Mapping[str, np.ndarray], source: Source
     adapted: dict[str, tuple[np.ndarray, str, str]] = {}
     not_adapted: dict[str, str] = {}
     for i in range(min(cfg.n_layers, src_cfg.n_layers)):
-        kind, src_kind = _mixer(cfg, i), _mixer(src_cfg, i)
+        kind, src_kind = cfg.mixer_at(i), src_cfg.mixer_at(i)
         hook = getattr(MIXERS[kind], "from_dense", None)
         if src_kind != "dense" or kind == "dense" or hook is None:
             continue

@@ -78,6 +78,7 @@ from aiinfra_jax.kernels.leapquant import (LeapQuantSpec, bytes_per_element, ini
                                            leapquant_decode, materialize, stage_outlier_ratios)
 from aiinfra_jax.models import Transformer
 from aiinfra_jax.models.attention.gated_delta import GatedDeltaConfig
+from aiinfra_jax.models.prefix_cache import prefill_with_snapshots, snapshot_nbytes
 from aiinfra_jax.models.registry import get_mixer
 
 SEGMENT = 1024  # tokens per compiled decode call; checkpoints must be multiples of it
@@ -286,17 +287,14 @@ def cost_main(a) -> int:
 PREFIX_SETTINGS = ("none", "bf16_per_step", "int8")  # model.gated_delta.state_quant ("none": off)
 
 
-def _cache_bytes(cache, mixers: tuple[str, ...]) -> tuple[int, int]:
-    """(bytes of the gated-delta layers' caches, bytes of the other layers') of a decode cache
-    (a tuple of scanned blocks of per-layer caches, in layer order; layer i runs
-    mixers[i % len(mixers)])."""
-    from aiinfra_jax.models.prefix_cache import snapshot_nbytes
-
+def _cache_bytes(cache, model_cfg) -> tuple[int, int]:
+    """(bytes of the gated-delta layers' caches, bytes of the other layers') of a decode cache or
+    snapshot (a tuple of scanned blocks of per-layer caches, in layer order)."""
     layers = [layer for block in cache for layer in block]
     recurrent = other = 0
     for i, layer in enumerate(layers):
         n = snapshot_nbytes(layer)  # a snapshot's left-out records count 0
-        if mixers[i % len(mixers)] in ("gdn", "kda"):
+        if model_cfg.mixer_at(i) in ("gdn", "kda"):
             recurrent += n
         else:
             other += n
@@ -309,8 +307,6 @@ def prefix_memory(config: str, *, tokens: int, every: int, decode: int, settings
     prefills one shared prompt of `tokens` random tokens with a snapshot every `every` tokens
     (models/prefix_cache.prefill_with_snapshots, cache room tokens + decode); the bytes of the
     snapshots (gated-delta layers apart from attention layers) and of one request's live cache."""
-    from aiinfra_jax.models.prefix_cache import prefill_with_snapshots, snapshot_nbytes
-
     rows = []
     for setting in settings:
         quant = "None" if setting == "none" else setting
@@ -320,12 +316,13 @@ def prefix_memory(config: str, *, tokens: int, every: int, decode: int, settings
         prompt = np.random.default_rng(seed).integers(1, model_cfg.vocab_size, (1, tokens))
         _, cache, snaps = prefill_with_snapshots(model, prompt, every=every,
                                                  max_len=tokens + decode)
-        parts = [_cache_bytes(snap, model_cfg.mixers) for snap in snaps.values()]
-        live = _cache_bytes(cache, model_cfg.mixers)
+        parts = [_cache_bytes(snap, model_cfg) for snap in snaps.values()]
+        recurrent, attention = sum(r for r, _ in parts), sum(o for _, o in parts)
+        live = _cache_bytes(cache, model_cfg)
         rows.append({"config": config, "setting": setting, "snapshots": len(snaps),
-                     "snapshot_bytes": sum(snapshot_nbytes(v) for v in snaps.values()),
-                     "snapshot_recurrent_bytes": sum(r for r, _ in parts),
-                     "snapshot_attention_bytes": sum(o for _, o in parts),
+                     "snapshot_bytes": recurrent + attention,
+                     "snapshot_recurrent_bytes": recurrent, "snapshot_attention_bytes": attention,
+                     "live_bytes": sum(live),
                      "live_recurrent_bytes": live[0], "live_attention_bytes": live[1]})
     return rows
 
@@ -344,14 +341,13 @@ def prefix_main(a) -> int:
                              decode=a.prefix_decode, overrides=a.set, seed=a.seed)
         base = rows[0] if rows[0]["setting"] == "none" else None
         for r in rows:
-            live = r["live_recurrent_bytes"] + r["live_attention_bytes"]
             snap_ratio = live_ratio = "-"
             if base is not None:
                 snap_ratio = f"{r['snapshot_bytes'] / base['snapshot_bytes']:.2f}x"
-                live_ratio = (f"{live / (base['live_recurrent_bytes'] + base['live_attention_bytes']):.2f}x")
+                live_ratio = f"{r['live_bytes'] / base['live_bytes']:.2f}x"
             print(f"| {config} | {r['setting']} | {r['snapshots']} | {r['snapshot_bytes']:,} "
                   f"({r['snapshot_recurrent_bytes']:,} / {r['snapshot_attention_bytes']:,}) | "
-                  f"{snap_ratio} | {live:,} ({r['live_recurrent_bytes']:,} / "
+                  f"{snap_ratio} | {r['live_bytes']:,} ({r['live_recurrent_bytes']:,} / "
                   f"{r['live_attention_bytes']:,}) | {live_ratio} |", flush=True)
         out.extend(rows)
     if a.out:

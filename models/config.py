@@ -309,6 +309,10 @@ class ModelConfig:
             return self.d_ff
         return -(-(8 * self.d_model) // (3 * 64)) * 64
 
+    def mixer_at(self, i: int) -> str:
+        """The token mixer of layer i (the pattern `mixers` cycled over the layers)."""
+        return self.mixers[i % len(self.mixers)]
+
     @property
     def block_size(self) -> int:
         """P: layers in one repeated block, lcm(len(mixers), len(ffns))."""

@@ -65,7 +65,7 @@ class Layer(nnx.Module):
     """One layer: mixer and FFN sublayers, each pre-normed, combined by the residual scheme."""
 
     def __init__(self, cfg: ModelConfig, index: int, *, rngs: nnx.Rngs):
-        self.mixer_name = cfg.mixers[index % len(cfg.mixers)]
+        self.mixer_name = cfg.mixer_at(index)
         self.ffn_name = cfg.ffns[index % len(cfg.ffns)]
         self.residual = get_residual(cfg.residual)(cfg, rngs=rngs)
         self.mixer_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)

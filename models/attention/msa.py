@@ -243,9 +243,9 @@ class MSAConfig:
             if i >= cfg.n_layers:
                 raise ValueError(f"ModelConfig.msa: routing_layers has layer {i}, but n_layers="
                                  f"{cfg.n_layers}; list indices in [0, {cfg.n_layers})")
-            if cfg.mixers[i % len(cfg.mixers)] != "msa":
+            if cfg.mixer_at(i) != "msa":
                 raise ValueError(f"ModelConfig.msa: routing_layers has layer {i}, whose mixer is "
-                                 f"{cfg.mixers[i % len(cfg.mixers)]!r}, not 'msa' "
+                                 f"{cfg.mixer_at(i)!r}, not 'msa' "
                                  f"(mixers={cfg.mixers})")
 
 
@@ -255,7 +255,7 @@ def routing_layer_indices(cfg: ModelConfig) -> tuple[int, ...]:
     if cfg.msa.routing_layers is not None:
         return tuple(sorted(set(cfg.msa.routing_layers)))
     return tuple(i for i in range(cfg.n_layers // 2, cfg.n_layers)
-                 if cfg.mixers[i % len(cfg.mixers)] == "msa")
+                 if cfg.mixer_at(i) == "msa")
 
 
 def pack_row(doc_lengths: Sequence[int], query_length: int, *, answer_docs: Sequence[int] = (),

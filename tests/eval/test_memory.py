@@ -33,6 +33,7 @@ def test_memory_cli_build_query_niah(tmp_path, capsys):
     assert memory.main(["query", "--checkpoint", run, "--bank", bank, "--prompt",
                         "golden-harbor is ", "--max-new-tokens", "3", "--kv-on-host"]) == 0
     hosted = capsys.readouterr()
+
     def read(err):
         return [line for line in err.splitlines() if "read documents" in line]
 
