@@ -21,8 +21,9 @@ over all heads, at each checkpoint. Outlier/median = max|x| / median|x| of the f
 ("state"), of the state less its rank-4 power-iteration fit ("- comps"), and of that divided by
 the smoothing factors ("smoothed"), median over heads. Bytes per element:
 kernels/leapquant/quantize.bytes_per_element, persistent storage (records not counted) and with the
-window's records at their mean fill. This measures accuracy and bytes, not time (the decode time
-per step of each variant, after its compile, is printed for information only: one run, no repeats).
+window's records at their mean fill, at their stored dtype (--extra's "LeapQuant INT8, bf16
+records" keeps k~ and u in bf16). This measures accuracy and bytes, not time (the decode time per
+step of each variant, after its compile, is printed for information only: one run, no repeats).
 
 Cost mode (issue 23's decode step time against float32):
 
@@ -31,10 +32,12 @@ Cost mode (issue 23's decode step time against float32):
 
 Per batch size, every format (model.gated_delta.state_quant's names and specs: none = float32
 through the one-token gated_delta_rule, the model's decode path; int8 = LeapQuant; int8_per_step
-and bf16_per_step = the naive baselines) decodes the same synthetic stream (above) of
---cost-steps tokens in one compiled lax.scan with its state donated; the median wall time of
---repeats calls (after one that compiles) divided by the steps, and the state's in-memory bytes per
-row (window records included). All formats in one invocation: run it on a quiet machine.
+and bf16_per_step = the naive baselines; on request, --cost-formats ...,int8+bf16rec: LeapQuant
+INT8 with model.gated_delta.state_records=bfloat16, its window records in bf16) decodes the same
+synthetic stream (above) of --cost-steps tokens in one compiled lax.scan with its state donated;
+the median wall time of --repeats calls (after one that compiles) divided by the steps, and the
+state's in-memory bytes per row (window records included). All formats in one invocation: run it
+on a quiet machine.
 Cost mode needs neither grain nor datasets (only quality mode imports the data pipeline), so on
 the GPU machine it runs from the bare checkout with that machine's python3:
 `python3 eval/bench_leapquant.py --cost --batches 1,8,64,256` (implementation=None: the Pallas
@@ -42,10 +45,12 @@ GPU read kernel on cuda).
 
 Prefix mode (issue 23's memory with prefix caching):
     python -m aiinfra_jax.eval.bench_leapquant --prefix [--prefix-configs configs/gdn_tiny.py,...]
-        [--prefix-tokens 3840] [--prefix-every 1024] [--prefix-decode 256] [--set KEY=VALUE]
-Per config and state format (none, bf16_per_step, int8), a freshly initialised model (bytes do not
-depend on training) prefills one shared random prompt with a prefix-cache snapshot every
---prefix-every tokens (models/prefix_cache.py); the snapshots' bytes (gated-delta layers apart
+        [--prefix-settings none,bf16_per_step,int8[,int8+bf16rec]] [--prefix-tokens 3840]
+        [--prefix-every 1024] [--prefix-decode 256] [--set KEY=VALUE]
+Per config and state format (none, bf16_per_step, int8 by default; int8+bf16rec = int8 with its
+window records in bf16, model.gated_delta.state_records=bfloat16), a freshly initialised model
+(bytes do not depend on training) prefills one shared random prompt with a prefix-cache snapshot
+every --prefix-every tokens (models/prefix_cache.py); the snapshots' bytes (gated-delta layers apart
 from attention layers) and one request's live cache bytes, with their ratios to float32.
 Quality mode (issue 23's perplexity on a trained run, `--quality --checkpoint RUN ...`): see
 eval/leapquant_quality.py.
@@ -94,6 +99,7 @@ EXTRA = (
     ("INT6 LeapQuant", LeapQuantSpec(fmt="int6")),
     ("INT4 LeapQuant", LeapQuantSpec(fmt="int4")),
     ("BF16 per-step", LeapQuantSpec(fmt="bf16", window=1)),
+    ("LeapQuant INT8, bf16 records", LeapQuantSpec(record_dtype="bfloat16")),
 )
 FP32 = LeapQuantSpec(fmt="none", window=1)  # for the bytes column only
 
@@ -207,9 +213,35 @@ def run_stream(name: str, stream, checkpoints, variants) -> None:
               f"{o['after_smoothing']:.1f} |")
 
 
+# -- Settings of the cost and prefix modes: model.gated_delta fields by name
+
+BF16_RECORDS = "+bf16rec"  # "<state_quant>+bf16rec": that format with its window records in bf16
+
+
+def gated_delta_fields(setting: str) -> dict:
+    """A cost/prefix mode setting -> model.gated_delta fields: "none" (float32 states), a
+    state_quant value, or "<state_quant>+bf16rec" (the same with state_records="bfloat16")."""
+    quant = setting.removesuffix(BF16_RECORDS)
+    return {"state_quant": None if quant == "none" else quant,
+            "state_records": "bfloat16" if quant != setting else "float32"}
+
+
+def setting_overrides(setting: str) -> list[str]:
+    """gated_delta_fields as --set overrides (config.load_config's form)."""
+    fields = gated_delta_fields(setting)
+    return [f"model.gated_delta.{key}={value}" for key, value in fields.items()]
+
+
+def _check_settings(flag: str, settings, valid) -> None:
+    bad = [s for s in settings if s not in valid]
+    if bad:
+        raise SystemExit(f"bench_leapquant: {flag} {bad}: valid are {valid}")
+
+
 # -- Cost mode: decode step time and state bytes, float32 recurrence against the stored formats
 
-COST_FORMATS = ("none", "int8", "int8_per_step", "bf16_per_step")
+COST_FORMATS = ("none", "int8", "int8_per_step", "bf16_per_step")  # the default rows
+COST_CHOICES = COST_FORMATS + ("int8" + BF16_RECORDS,)
 
 
 def decode_cost(batch: int, heads: int, K: int, steps: int, repeats: int,
@@ -233,7 +265,7 @@ def decode_cost(batch: int, heads: int, K: int, steps: int, repeats: int,
 
     rows = []
     for fmt in formats:
-        spec = GatedDeltaConfig(state_quant=None if fmt == "none" else fmt).state_spec()
+        spec = GatedDeltaConfig(**gated_delta_fields(fmt)).state_spec()
         if spec is None:
             state = jnp.zeros((batch, heads, K, K), jnp.float32)
             fn = jax.jit(fp32_run, donate_argnums=0)
@@ -262,9 +294,7 @@ def cost_main(a) -> int:
           f"value heads, K=V={a.cost_dim}, {a.cost_steps} steps per compiled call, median of "
           f"{a.repeats}; GDN decays")
     formats = tuple(filter(None, a.cost_formats.split(",")))
-    bad = [f for f in formats if f not in COST_FORMATS]
-    if bad:
-        raise SystemExit(f"bench_leapquant: --cost-formats {bad}: valid are {COST_FORMATS}")
+    _check_settings("--cost-formats", formats, COST_CHOICES)
     print("\n| batch | state | us/step (median) | us/step (min) | vs float32 | state bytes/row |")
     print("|---|---|---:|---:|---:|---:|")
     out = []
@@ -284,7 +314,8 @@ def cost_main(a) -> int:
 
 # -- Prefix mode: what prefix-cache snapshots hold per state format
 
-PREFIX_SETTINGS = ("none", "bf16_per_step", "int8")  # model.gated_delta.state_quant ("none": off)
+PREFIX_SETTINGS = ("none", "bf16_per_step", "int8")  # the default rows (gated_delta_fields)
+PREFIX_CHOICES = PREFIX_SETTINGS + ("int8" + BF16_RECORDS,)
 
 
 def _cache_bytes(cache, model_cfg) -> tuple[int, int]:
@@ -309,8 +340,7 @@ def prefix_memory(config: str, *, tokens: int, every: int, decode: int, settings
     snapshots (gated-delta layers apart from attention layers) and of one request's live cache."""
     rows = []
     for setting in settings:
-        quant = "None" if setting == "none" else setting
-        cfg = load_config(config, [*overrides, f"model.gated_delta.state_quant={quant}"])
+        cfg = load_config(config, [*overrides, *setting_overrides(setting)])
         model_cfg = cfg.model.with_vocab(load_tokenizer(cfg.data.tokenizer).vocab_size)
         model = Transformer(model_cfg, rngs=nnx.Rngs(seed))
         prompt = np.random.default_rng(seed).integers(1, model_cfg.vocab_size, (1, tokens))
@@ -329,6 +359,8 @@ def prefix_memory(config: str, *, tokens: int, every: int, decode: int, settings
 
 def prefix_main(a) -> int:
     configs = [c for c in a.prefix_configs.split(",") if c]
+    settings = tuple(filter(None, a.prefix_settings.split(",")))
+    _check_settings("--prefix-settings", settings, PREFIX_CHOICES)
     print(f"prefix-cache snapshots: one shared prompt of {a.prefix_tokens} tokens, a snapshot every "
           f"{a.prefix_every}, cache room for {a.prefix_decode} decoded tokens; fresh models "
           "(bytes do not depend on training)")
@@ -338,7 +370,8 @@ def prefix_main(a) -> int:
     out = []
     for config in configs:
         rows = prefix_memory(config, tokens=a.prefix_tokens, every=a.prefix_every,
-                             decode=a.prefix_decode, overrides=a.set, seed=a.seed)
+                             decode=a.prefix_decode, settings=settings, overrides=a.set,
+                             seed=a.seed)
         base = rows[0] if rows[0]["setting"] == "none" else None
         for r in rows:
             snap_ratio = live_ratio = "-"
@@ -364,7 +397,8 @@ def main(argv=None) -> int | None:
     p.add_argument("--model-steps", type=int, default=None,
                    help="decode steps of the model stream (default: the last checkpoint)")
     p.add_argument("--extra", action="store_true",
-                   help="also INT6/INT4 LeapQuant, BF16 per-step, compensators fit to the error")
+                   help="also INT6/INT4 LeapQuant, BF16 per-step, compensators fit to the error, "
+                        "INT8 LeapQuant with bf16 window records")
     p.add_argument("--skip", default="", help="comma-separated streams to skip: "
                    "synthetic128, synthetic64, model")
     p.add_argument("--seed", type=int, default=0)
@@ -390,12 +424,15 @@ def main(argv=None) -> int | None:
     c.add_argument("--cost-dim", type=int, default=128, help="K = V, the state's sides")
     c.add_argument("--cost-steps", type=int, default=64, help="decode steps per compiled call")
     c.add_argument("--cost-formats", default=",".join(COST_FORMATS),
-                   help="comma-separated state formats (none = float32)")
+                   help="comma-separated state formats (none = float32) of "
+                        f"{', '.join(COST_CHOICES)} (+bf16rec: window records in bfloat16)")
     c.add_argument("--repeats", type=int, default=7, help="timed calls per format (median)")
     x = p.add_argument_group("prefix mode: bytes of prefix-cache snapshots per state format")
     x.add_argument("--prefix", action="store_true",
-                   help="snapshot bytes per model.gated_delta.state_quant setting "
-                        f"({', '.join(PREFIX_SETTINGS)})")
+                   help="snapshot bytes per model.gated_delta state setting (--prefix-settings)")
+    x.add_argument("--prefix-settings", default=",".join(PREFIX_SETTINGS),
+                   help=f"comma-separated settings of {', '.join(PREFIX_CHOICES)} (none = float32;"
+                        " +bf16rec: window records in bfloat16)")
     x.add_argument("--prefix-configs",
                    default="configs/gdn_tiny.py,configs/kda_tiny.py,configs/hybrid_tiny.py")
     x.add_argument("--prefix-tokens", type=int, default=3840,

@@ -55,8 +55,9 @@ def extend(model: nnx.Module, cache: Any, tokens: jax.Array, start: int) -> tupl
 
 
 # A LeapQuant state's window records (kernels/leapquant/xla.py): after a multi-token call they are
-# empty (the state was re-quantized: n = 0, records zeroed), yet as buffers they weigh more than
-# the quantized state itself (16 float32 records of K + V + Dg per head against K*V int8).
+# empty (the state was re-quantized: n = 0, records zeroed), yet as buffers they weigh about as
+# much as the quantized state itself or more (16 records of K + V + Dg numbers per head, float32 or
+# with k~ and u in bf16 (state_records), against K*V int8).
 _RECORDS = ("rec_k", "rec_u", "rec_g")
 
 

@@ -144,7 +144,8 @@ def _validate(q, k, v, g, beta, state, spec, active) -> None:
         raise ValueError(f"{OP}: beta must be [B,T,HV]={[B, T, HV]}, got {list(beta.shape)}")
     dg = 1 if g.ndim == 3 else K
     want = {"q": (B, HV, K, V), "rec_k": (B, HV, spec.window, K),
-            "rec_g": (B, HV, spec.window, dg), "comp_k": (B, HV, spec.r, K)}
+            "rec_u": (B, HV, spec.window, V), "rec_g": (B, HV, spec.window, dg),
+            "comp_k": (B, HV, spec.r, K)}
     if not isinstance(state, dict) or set(want) - set(state):
         raise ValueError(f"{OP}: state must be a dict from encode_state / init_state")
     for key, shape in want.items():
@@ -153,5 +154,10 @@ def _validate(q, k, v, g, beta, state, spec, active) -> None:
                              f"{list(shape)} for these inputs and spec (window {spec.window}, "
                              f"rank {spec.r}, {'GDN' if dg == 1 else 'KDA'} decay); encode it "
                              "with the same spec")
+    for key, dtype in spec.record_dtypes.items():
+        if state[key].dtype != dtype:
+            raise ValueError(f"{OP}: state[{key!r}] is stored as {state[key].dtype}, but the spec "
+                             f"says {dtype} (record_dtype={spec.record_dtype!r}); encode it with "
+                             "the same spec")
     if active is not None and (tuple(active.shape) != (B, T) or active.dtype != np.bool_):
         raise ValueError(f"{OP}: active must be a [B,T]={[B, T]} bool array or None")

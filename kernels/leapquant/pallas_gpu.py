@@ -10,8 +10,9 @@ What it covers: xla.read, the memory-bound part of a decode step (it runs twice 
 
 straight from the stored boundary (Q int8 / bf16 / f32 [K,V] read once, converted in registers:
 no dequantized copy of the state is ever written to memory), the float16 compensators and the
-float32 records. The record append and the re-quantization every P steps stay in XLA (xla.py):
-they are O(P (K + V)) per step and O(K V) once per window.
+records (float32, or k~ and u in bfloat16: LeapQuantSpec.record_dtype; widened in registers
+too). The record append and the re-quantization every P steps stay in XLA (xla.py): they are
+O(P (K + V)) per step and O(K V) once per window.
 
 grid (B, HV): one program per state. Triton needs power-of-two block dims, so K, V >= 16, P and r
 (when r > 0) must be powers of two; otherwise the op falls back to XLA (implementation=None) or
@@ -55,9 +56,10 @@ def _kernel(q_ref, scale_ref, smooth_ref, ck_ref, cu_ref, rk_ref, ru_ref, rg_ref
     if rank:
         c = jnp.sum(ck_ref[...].astype(f32) * y[None, :], axis=1)                   # [r]
         out = out + jnp.sum(cu_ref[...].astype(f32) * c[:, None], axis=0)
-    w = jnp.exp(G[None, :] - rg_ref[...]) * x[None, :]                # [P,K]
-    coef = jnp.sum(rk_ref[...] * w, axis=1) * valid_ref[...]           # [P]
-    o_ref[...] = out + jnp.sum(ru_ref[...] * coef[:, None], axis=0)
+    # records: float32 or bfloat16 (LeapQuantSpec.record_dtype), widened in registers
+    w = jnp.exp(G[None, :] - rg_ref[...].astype(f32)) * x[None, :]    # [P,K]
+    coef = jnp.sum(rk_ref[...].astype(f32) * w, axis=1) * valid_ref[...]             # [P]
+    o_ref[...] = out + jnp.sum(ru_ref[...].astype(f32) * coef[:, None], axis=0)
 
 
 def read(q, scale, smooth, comp_k, comp_u, rec_k, rec_u, rec_g, G, x, valid, *,
@@ -76,8 +78,8 @@ def read(q, scale, smooth, comp_k, comp_u, rec_k, rec_u, rec_g, G, x, valid, *,
         comp_k = jnp.zeros((B, HV, 1, K), jnp.float16)
         comp_u = jnp.zeros((B, HV, 1, V), jnp.float16)
     rb = max(r, 1)
-    bytes_read = (q.size * q.dtype.itemsize + 4 * (scale.size + smooth.size + rec_k.size
-                  + rec_u.size + rec_g.size + x.size) + 2 * (comp_k.size + comp_u.size))
+    bytes_read = (sum(a.size * a.dtype.itemsize for a in (q, rec_k, rec_u, rec_g))
+                  + 4 * (scale.size + smooth.size + x.size) + 2 * (comp_k.size + comp_u.size))
     return pl.pallas_call(
         functools.partial(_kernel, rank=r),
         grid=(B, HV),

@@ -5,9 +5,10 @@ records, Dg decay width (1 = GDN, K = KDA).
 
 Same contract and arithmetic as pallas_gpu.read (the docstring there; xla.read_arrays is the
 oracle): one program per state, grid (B, HV), the stored boundary Q [K,V] (int8 / bf16 / f32)
-converted in vregs, never written back dequantized. Mosaic wants 2-D operands, so vectors travel
-as columns [n,1] (reduced over sublanes against Q) and rows [1,n] (against the records), and the
-products are broadcast-multiply-reduce (no matmul with a 1-row operand). TPUs have no float16:
+converted in vregs, never written back dequantized (the records, float32 or bfloat16, are widened
+there too). Mosaic wants 2-D operands, so vectors travel as columns [n,1] (reduced over sublanes
+against Q) and rows [1,n] (against the records), and the products are broadcast-multiply-reduce
+(no matmul with a 1-row operand). TPUs have no float16:
 the compensators are widened to float32 before the call (r (K + V) numbers per state).
 Shapes: K a multiple of 32 (int8 sublane tiling) and V a multiple of 128 (lanes), else XLA.
 """
@@ -41,9 +42,10 @@ def _kernel(q_ref, scale_ref, smooth_ref, ck_ref, cu_ref, rk_ref, ru_ref, rg_ref
         yrow = jnp.exp(grow_ref[...]) * xrow
         c = jnp.sum(ck_ref[...] * yrow, axis=1, keepdims=True)               # [r,1]
         out = out + jnp.sum(cu_ref[...] * c, axis=0, keepdims=True)
-    w = jnp.exp(grow_ref[...] - rg_ref[...]) * xrow                          # [P,K]
-    coef = jnp.sum(rk_ref[...] * w, axis=1, keepdims=True) * valid_ref[...]  # [P,1]
-    o_ref[...] = out + jnp.sum(ru_ref[...] * coef, axis=0, keepdims=True)
+    # records: float32 or bfloat16 (LeapQuantSpec.record_dtype), widened in vregs
+    w = jnp.exp(grow_ref[...] - rg_ref[...].astype(f32)) * xrow              # [P,K]
+    coef = jnp.sum(rk_ref[...].astype(f32) * w, axis=1, keepdims=True) * valid_ref[...]  # [P,1]
+    o_ref[...] = out + jnp.sum(ru_ref[...].astype(f32) * coef, axis=0, keepdims=True)
 
 
 def read(q, scale, smooth, comp_k, comp_u, rec_k, rec_u, rec_g, G, x, valid, *,
@@ -74,8 +76,8 @@ def read(q, scale, smooth, comp_k, comp_u, rec_k, rec_u, rec_g, G, x, valid, *,
         cost_estimate=pl.CostEstimate(
             flops=B * HV * (2 * K * V + 2 * r * (K + V) + 2 * P * (K + V) + 2 * K),
             transcendentals=B * HV * (Dg + P * Dg),
-            bytes_accessed=int(q.size * q.dtype.itemsize
-                               + 4 * (rec_k.size + rec_u.size + B * HV * (2 * V + 2 * K)))),
+            bytes_accessed=int(sum(a.size * a.dtype.itemsize for a in (q, rec_k, rec_u, rec_g))
+                               + 4 * B * HV * (2 * V + 2 * K))),
         interpret=interpret,
         name="leapquant_read_tpu",
     )(*args)

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 _HI = jax.lax.Precision.HIGHEST
 FORMATS = ("none", "bf16", "int8", "int6", "int4")
 COMP_TARGETS = ("state", "error")
+RECORD_DTYPES = ("float32", "bfloat16")
 RECORD_ACCOUNTING = ("none", "mean", "full")
 
 
@@ -59,6 +60,10 @@ class LeapQuantSpec:
     smooth_floor: c_i >= smooth_floor * max_i c_i (keeps near-empty rows from blowing up).
     power_iters: power-iteration steps per compensator.
     comp_target: "state" (default) or "error": what the compensators fit (module docstring).
+    record_dtype: "float32" (default) or "bfloat16": how the window's records k~_j and u_j are
+      stored (record_dtypes: the log-decays G_j stay float32; xla.py's layout); every read
+      computes in float32 after loading. bfloat16 halves most of what a live window holds, at a
+      bf16 rounding of each step's update.
     """
 
     fmt: str = "int8"
@@ -68,6 +73,7 @@ class LeapQuantSpec:
     smooth_floor: float = 1e-2
     power_iters: int = 8
     comp_target: str = "state"
+    record_dtype: str = "float32"
 
     def __post_init__(self):
         if self.fmt not in FORMATS:
@@ -87,6 +93,9 @@ class LeapQuantSpec:
         if self.comp_target not in COMP_TARGETS:
             raise ValueError(f"LeapQuantSpec.comp_target={self.comp_target!r}: valid choices are "
                              f"{COMP_TARGETS}")
+        if self.record_dtype not in RECORD_DTYPES:
+            raise ValueError(f"LeapQuantSpec.record_dtype={self.record_dtype!r}: valid choices are "
+                             f"{RECORD_DTYPES}")
 
     @property
     def bits(self) -> int | None:
@@ -105,6 +114,22 @@ class LeapQuantSpec:
     def smooth(self) -> bool:
         """Whether residual smoothing is on (resolved)."""
         return self.bits is not None if self.smoothing is None else bool(self.smoothing)
+
+    @property
+    def record_dtypes(self) -> dict[str, jnp.dtype]:
+        """The stored dtype of each record array: {"rec_k", "rec_u", "rec_g"} -> dtype.
+
+        rec_g (the cumulative log-decay G_j since the window start) stays float32 whatever
+        record_dtype says: a read weighs record j by exp(G_t - G_j), so an absolute error in G_j
+        is a relative error of that record, and bf16 keeps 8 bits of |G_j|, which reaches 7 (GDN)
+        to 25 (KDA) within a window on fast-decaying heads (bf16 spacing 0.03-0.125 there).
+        Measured at 4K steps (eval/BENCHMARKS.md, "window records in bf16"): with fmt "none" the
+        state error of bf16 k~/u is 2.1e-3 on an untrained gdn_tiny layer's stream, 6.0e-3 with G
+        in bf16 too (INT8: 4.0e-3 against 7.0e-3; on a kda_tiny layer 5.2e-3 against 5.6e-3);
+        equal on slow synthetic decays. G costs 4 bytes a record for GDN, 4 K for KDA (half its
+        bf16 record)."""
+        dt = jnp.dtype(self.record_dtype)
+        return {"rec_k": dt, "rec_u": dt, "rec_g": jnp.dtype(jnp.float32)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -245,8 +270,9 @@ def bytes_per_element(spec: LeapQuantSpec, K: int = 128, V: int = 128, *,
       scales     4 V bytes (one fp32 per value column; integer formats only)
       smoothing  4 K bytes (fp32 c per key row; when smoothing is on)
       comps      2 r (K + V) bytes (float16 compensators)
-      records    per record 4 (K + V + decay_dim) bytes (fp32 k~, u and the cumulative
-                 log-decay: decay_dim 1 for GDN, K for KDA), times: "none" 0 (the persistent
+      records    per record k~ [K], u [V] and the cumulative log-decay [decay_dim] (1 for GDN,
+                 K for KDA) at spec.record_dtypes: 4 (K + V + decay_dim) bytes in float32,
+                 2 (K + V) + 4 decay_dim with record_dtype bfloat16; times: "none" 0 (the persistent
                  state: what a prefix-cache snapshot at a window boundary holds, and the paper's
                  amortised figure), "mean" (P - 1) / 2 (the average fill between steps),
                  "full" P - 1 (the most held between steps; P for window 1 is never held).
@@ -264,5 +290,6 @@ def bytes_per_element(spec: LeapQuantSpec, K: int = 128, V: int = 128, *,
         total += 4 * K
     total += 2 * spec.r * (K + V)
     held = {"none": 0.0, "mean": (spec.window - 1) / 2, "full": spec.window - 1}[records]
-    total += held * 4 * (K + V + decay_dim)
+    size = {key: dt.itemsize for key, dt in spec.record_dtypes.items()}
+    total += held * (size["rec_k"] * K + size["rec_u"] * V + size["rec_g"] * decay_dim)
     return total / (K * V)

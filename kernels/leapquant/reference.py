@@ -13,7 +13,9 @@ V value head dim, P window.
         every P-th step of a window: S = Deq(Enc(S))    (re-quantize at the window end)
 
 Enc / Deq are quantize.encode_boundary / decode_boundary (quantized residual, smoothing,
-compensators). Per-step quantization is P = 1.
+compensators). Per-step quantization is P = 1. The loop holds no records, so it ignores
+spec.record_dtype: bfloat16 records (a bf16 rounding of each step's update in the record form) are
+checked against the plain recurrence at a bf16 tolerance instead (tests/kernels/test_leapquant.py).
 """
 
 from __future__ import annotations

@@ -24,14 +24,17 @@ are the boundary state read once (`read_arrays`: s * (Q^T (c * y)) + comps; pall
 pallas_tpu.read do it without any dequantized [K,V] copy) plus P small dot products. After the
 P-th record of a window the state is materialised once, re-quantized (quantize.encode_boundary)
 and the records are cleared. With fmt "none" this is the plain recurrence reassociated: equal to
-it to float32 rounding.
+it to float32 rounding (with bfloat16 records, to a bf16 rounding of each step's update).
 
 The state (a dict, a pytree; all arrays float32 unless said):
   "q" [B,HV,K,V] int8 / bf16 / f32, "scale" [B,HV,V], "smooth" [B,HV,K],
   "comp_k" [B,HV,r,K] f16, "comp_u" [B,HV,r,V] f16       the boundary (quantize.py)
   "rec_k" [B,HV,P,K] k~_j, "rec_u" [B,HV,P,V] u_j, "rec_g" [B,HV,P,Dg] G_j   the records
   "g_now" [B,HV,Dg] G of the last step (0 at a window start), "n" [B] int32 records held (< P)
-Records j >= n are zeros (cleared at every boundary) and masked out of every read.
+Records j >= n are zeros (cleared at every boundary) and masked out of every read. rec_k and
+rec_u are float32, or bfloat16 with LeapQuantSpec.record_dtype="bfloat16" (rounded when written;
+every reader widens them to float32 after loading); rec_g and g_now stay float32 (the spec's
+record_dtypes says why).
 """
 
 from __future__ import annotations
@@ -45,16 +48,22 @@ _HI = jax.lax.Precision.HIGHEST
 BOUNDARY_KEYS = ("q", "scale", "smooth", "comp_k", "comp_u")
 
 
+def _empty_window(spec: LeapQuantSpec, batch: int, heads: int, K: int, V: int,
+                  decay_dim: int) -> dict:
+    """The window part of a state at a window start: zero records in spec.record_dtypes, the
+    clock at 0, no records held."""
+    lead, dt = (batch, heads), spec.record_dtypes
+    return {"rec_k": jnp.zeros(lead + (spec.window, K), dt["rec_k"]),
+            "rec_u": jnp.zeros(lead + (spec.window, V), dt["rec_u"]),
+            "rec_g": jnp.zeros(lead + (spec.window, decay_dim), dt["rec_g"]),
+            "g_now": jnp.zeros(lead + (decay_dim,), jnp.float32),
+            "n": jnp.zeros((batch,), jnp.int32)}
+
+
 def encode_state(spec: LeapQuantSpec, S: jax.Array, decay_dim: int) -> dict:
     """A dense state S [B,HV,K,V] -> the LeapQuant state at a window start (no records)."""
     B, HV, K, V = S.shape
-    out = encode_boundary(spec, S)
-    f32 = jnp.float32
-    out.update(rec_k=jnp.zeros((B, HV, spec.window, K), f32),
-               rec_u=jnp.zeros((B, HV, spec.window, V), f32),
-               rec_g=jnp.zeros((B, HV, spec.window, decay_dim), f32),
-               g_now=jnp.zeros((B, HV, decay_dim), f32), n=jnp.zeros((B,), jnp.int32))
-    return out
+    return {**encode_boundary(spec, S), **_empty_window(spec, B, HV, K, V, decay_dim)}
 
 
 def init_state(spec: LeapQuantSpec, batch: int, heads: int, K: int, V: int,
@@ -67,10 +76,7 @@ def init_state(spec: LeapQuantSpec, batch: int, heads: int, K: int, V: int,
             "smooth": jnp.ones(lead + (K,), f32),
             "comp_k": jnp.zeros(lead + (spec.r, K), jnp.float16),
             "comp_u": jnp.zeros(lead + (spec.r, V), jnp.float16),
-            "rec_k": jnp.zeros(lead + (spec.window, K), f32),
-            "rec_u": jnp.zeros(lead + (spec.window, V), f32),
-            "rec_g": jnp.zeros(lead + (spec.window, decay_dim), f32),
-            "g_now": jnp.zeros(lead + (decay_dim,), f32), "n": jnp.zeros((batch,), jnp.int32)}
+            **_empty_window(spec, batch, heads, K, V, decay_dim)}
 
 
 def _valid(state: dict, n: jax.Array) -> jax.Array:
@@ -85,9 +91,10 @@ def materialize(state: dict) -> jax.Array:
     S0 = decode_boundary({key: state[key] for key in BOUNDARY_KEYS})
     g_now = state["g_now"]
     S = jnp.exp(g_now)[..., :, None] * S0
-    decay = jnp.exp(g_now[:, :, None, :] - state["rec_g"])                # [B,HV,P,Dg]
-    k = jnp.where(_valid(state, state["n"])[..., None], decay * state["rec_k"], 0.0)
-    return S + jnp.einsum("bhpk,bhpv->bhkv", k, state["rec_u"], precision=_HI)
+    rec_k, rec_u, rec_g = (state[key].astype(jnp.float32) for key in ("rec_k", "rec_u", "rec_g"))
+    decay = jnp.exp(g_now[:, :, None, :] - rec_g)                        # [B,HV,P,Dg]
+    k = jnp.where(_valid(state, state["n"])[..., None], decay * rec_k, 0.0)
+    return S + jnp.einsum("bhpk,bhpv->bhkv", k, rec_u, precision=_HI)
 
 
 READ_KEYS = ("q", "scale", "smooth", "comp_k", "comp_u", "rec_k", "rec_u", "rec_g")
@@ -105,6 +112,8 @@ def read_arrays(q, scale, smooth, comp_k, comp_u, rec_k, rec_u, rec_g, G, x, val
     qy = jnp.einsum("bhkv,bhk->bhv", q.astype(jnp.float32), smooth * y, precision=_HI)
     c = jnp.einsum("bhrk,bhk->bhr", comp_k.astype(jnp.float32), y, precision=_HI)
     out = scale * qy + jnp.einsum("bhrv,bhr->bhv", comp_u.astype(jnp.float32), c, precision=_HI)
+    # records may be stored in bfloat16 (LeapQuantSpec.record_dtype): computed in float32
+    rec_k, rec_u, rec_g = (a.astype(jnp.float32) for a in (rec_k, rec_u, rec_g))
     w = jnp.exp(G[:, :, None, :] - rec_g) * x[:, :, None, :]               # [B,HV,P,K]
     coef = jnp.sum(rec_k * w, axis=-1) * valid                              # [B,HV,P]
     return out + jnp.einsum("bhp,bhpv->bhv", coef, rec_u, precision=_HI)
@@ -147,9 +156,8 @@ def decode_step(spec: LeapQuantSpec, state: dict, q: jax.Array, k: jax.Array, v:
     # as in generate's decode, XLA folded the all-true select away).
     slot = ((jnp.arange(spec.window)[None, :] == n[:, None]) & act[:, None])[:, None, :, None]
     new = dict(state)
-    new["rec_k"] = jnp.where(slot, kt[:, :, None, :], state["rec_k"])
-    new["rec_u"] = jnp.where(slot, u[:, :, None, :], state["rec_u"])
-    new["rec_g"] = jnp.where(slot, G[:, :, None, :], state["rec_g"])
+    for key, x in (("rec_k", kt), ("rec_u", u), ("rec_g", G)):  # stored in spec.record_dtypes
+        new[key] = jnp.where(slot, x[:, :, None, :].astype(spec.record_dtypes[key]), state[key])
     new["g_now"] = jnp.where(act[:, None, None], G, state["g_now"])
     new["n"] = n + act.astype(n.dtype)
     o = scale * read(new, G, q, n + 1, reader)  # an inactive row's output is zeroed below

@@ -38,8 +38,10 @@ float32 "state". A one-token call (decode) runs the record form (kernels/leapqua
 boundary state is read without a dequantized copy and re-quantized every state_window steps); a
 longer call (prefill, or a prefill chunk) runs the chunked kernel from the dense state the cache
 stands for and quantizes its final state, starting a new window (rows with no real token in the
-call keep theirs untouched). "<fmt>_per_step" (e.g. "int8_per_step", "bf16_per_step") is the naive
-baseline: the state rounded after every step (window 1, no compensators, no smoothing).
+call keep theirs untouched). `model.gated_delta.state_records="bfloat16"` stores the window's
+records k~ and u in bf16 (float32 by default). "<fmt>_per_step" (e.g. "int8_per_step",
+"bf16_per_step") is the naive baseline: the state rounded after every step (window 1, no
+compensators, no smoothing).
 models/prefix_cache.py snapshots such caches every N prompt tokens and restores them.
 """
 
@@ -56,8 +58,8 @@ import numpy as np
 from flax import nnx
 
 from aiinfra_jax.kernels.gated_delta import gated_delta_rule
-from aiinfra_jax.kernels.leapquant import (LeapQuantSpec, encode_state, init_state,
-                                           leapquant_decode, materialize)
+from aiinfra_jax.kernels.leapquant import (RECORD_DTYPES, LeapQuantSpec, encode_state,
+                                           init_state, leapquant_decode, materialize)
 
 from ..config import ModelConfig, check_implementation, runtime_field
 from ..layers import make_param, out_proj_std
@@ -83,7 +85,12 @@ class GatedDeltaConfig:
     (16). state_rank: compensators per state (None = 4, 8 at int4, 0 for bf16). state_smoothing:
     residual smoothing (None = on for the integer formats). state_comp_target: "state" (fit the
     compensators to the state, then quantize the residual) or "error" (fit them to the
-    quantization error); see kernels/leapquant/quantize.py.
+    quantization error); see kernels/leapquant/quantize.py. state_records: "float32" or
+    "bfloat16", how a window's records k~ and u are stored (their log-decays stay float32):
+    bfloat16 halves most of a live window's bytes at a bf16 rounding of each step's update
+    (eval/BENCHMARKS.md, "window records in bf16"). The "<fmt>_per_step" baselines ignore
+    state_window, state_rank, state_smoothing, state_comp_target and state_records: a window of
+    1 holds its one record only within the step that writes it, so it stays float32.
     """
 
     num_heads: int = 0
@@ -100,6 +107,7 @@ class GatedDeltaConfig:
     state_rank: int | None = runtime_field(None)
     state_smoothing: bool | None = runtime_field(None)
     state_comp_target: str = runtime_field("state")
+    state_records: str = runtime_field("float32")
 
     def __post_init__(self):
         for name in ("num_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_width"):
@@ -137,6 +145,9 @@ class GatedDeltaConfig:
         if self.state_comp_target not in ("state", "error"):
             raise ValueError(f"model.gated_delta.state_comp_target={self.state_comp_target!r} "
                              "must be 'state' or 'error'")
+        if self.state_records not in RECORD_DTYPES:
+            raise ValueError(f"model.gated_delta.state_records={self.state_records!r} must be one "
+                             f"of {RECORD_DTYPES} (how a window's records are stored)")
         q = self.state_quant
         if q is None:
             return None
@@ -153,7 +164,7 @@ class GatedDeltaConfig:
         if per_step:
             return LeapQuantSpec(fmt=fmt, window=1, rank=0, smoothing=False)
         return LeapQuantSpec(fmt=fmt, window=w, rank=r, smoothing=self.state_smoothing,
-                             comp_target=self.state_comp_target)
+                             comp_target=self.state_comp_target, record_dtype=self.state_records)
 
     def dims(self, cfg: ModelConfig) -> tuple[int, int, int, int]:
         """(H, HV, K, V) resolved against the model config."""

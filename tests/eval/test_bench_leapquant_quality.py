@@ -101,19 +101,39 @@ def test_cost_mode_times_every_format_and_counts_state_bytes(tmp_path, capsys):
     smoothing and compensators, less than float32 at K=V=16; LeapQuant int8 adds the window's
     records)."""
     out = tmp_path / "cost.json"
+    formats = bench_leapquant.COST_CHOICES  # the default rows and int8+bf16rec
     assert bench_leapquant.main(["--cost", "--batches", "1,2", "--cost-heads", "2", "--cost-dim",
-                                 "16", "--cost-steps", "5", "--repeats", "1",
-                                 "--out", str(out)]) == 0
+                                 "16", "--cost-steps", "5", "--repeats", "1", "--cost-formats",
+                                 ",".join(formats), "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["batch"], r["format"]) for r in rows] == [
-        (b, f) for b in (1, 2) for f in bench_leapquant.COST_FORMATS]
+        (b, f) for b in (1, 2) for f in formats]
     by = {(r["batch"], r["format"]): r for r in rows}
     assert all(r["us_per_step"] > 0 for r in rows)
     fp32 = 2 * 16 * 16 * 4
     assert by[1, "none"]["state_bytes_per_row"] == by[2, "none"]["state_bytes_per_row"] == fp32
     assert by[1, "int8"]["state_bytes_per_row"] > by[1, "int8_per_step"]["state_bytes_per_row"]
     assert by[1, "int8_per_step"]["state_bytes_per_row"] < by[1, "none"]["state_bytes_per_row"]
+    # bf16 records: 2 heads x 16 records x 2 bytes saved on each of k~ (K=16) and u (V=16)
+    assert (by[1, "int8"]["state_bytes_per_row"] - by[1, "int8+bf16rec"]["state_bytes_per_row"]
+            == 2 * 16 * 2 * (16 + 16))
     assert "| 2 | int8 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--cost-formats.*int8_bf16rec"):
+        bench_leapquant.main(["--cost", "--cost-formats", "int8_bf16rec"])
+
+
+def test_prefix_mode_settings_name_their_state_fields():
+    """--prefix-settings: "none" is float32 states, "+bf16rec" adds bf16 window records, as the
+    config overrides each setting's model is loaded with."""
+    from aiinfra_jax.config import load_config
+    preset = str(Path(__file__).resolve().parents[2] / "configs" / "gdn_tiny.py")
+    specs = {s: load_config(preset, bench_leapquant.setting_overrides(s)).model.gated_delta
+             .state_spec() for s in bench_leapquant.PREFIX_CHOICES}
+    assert specs["none"] is None
+    assert (specs["int8"].fmt, specs["int8"].record_dtype) == ("int8", "float32")
+    assert specs["int8+bf16rec"] == dataclasses.replace(specs["int8"], record_dtype="bfloat16")
+    with pytest.raises(SystemExit, match="--prefix-settings.*int9"):
+        bench_leapquant.main(["--prefix", "--prefix-settings", "int8,int9"])
 
 
 def test_prefix_mode_counts_snapshot_bytes_per_state_format(tmp_path, capsys):
