@@ -108,6 +108,22 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None], rules: Rules | N
     return jax.lax.with_sharding_constraint(x, spec)
 
 
+def splits(x: jax.Array, logical_axes: Sequence[str | None], dim: int) -> bool:
+    """Whether dimension `dim` of x (its dimensions named `logical_axes`) is split over mesh axes
+    under the active rules and mesh (what `constrain` would ask for). False outside a trace, with
+    no rules or without a mesh of more than one device."""
+    if not isinstance(x, jax.core.Tracer):
+        return False
+    rules = get_logical_axis_rules()
+    mesh = jax.sharding.get_abstract_mesh()
+    if not rules or mesh.empty:
+        return False
+    sizes = mesh_axis_sizes(mesh)
+    if all(size == 1 for size in sizes.values()):
+        return False
+    return logical_spec(logical_axes, x.shape, sizes, rules)[dim] is not None
+
+
 def shard_map_over(fn, mesh, in_specs, out_specs, check: bool = True):
     """jax.shard_map of fn over every non-manual axis of mesh (the others stay automatic), on
     the JAX releases this project supports (jax.experimental's form before 0.7). check=False

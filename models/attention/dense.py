@@ -31,7 +31,7 @@ from flax import nnx
 from aiinfra_jax.kernels.flash_attention import AttentionMask, cached_attention, flash_attention
 
 from ..config import ModelConfig, check_implementation, runtime_field
-from ..layers import RMSNorm, apply_rope, make_param, out_proj_std
+from ..layers import RMSNorm, apply_rope, make_param, out_proj_std, project
 from ..registry import register_config, register_mixer
 
 DenseCache = dict[str, jax.Array]
@@ -234,9 +234,9 @@ class DenseAttention(nnx.Module):
         the biases and q/k norms of DenseConfig.qkv_bias / qk_norm)."""
         dt = jnp.dtype(self.cfg.dtype)
         x = x_btd.astype(dt)
-        q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt))
-        k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt))
-        v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt))
+        q = project(x, self.wq[...].astype(dt))
+        k = project(x, self.wk[...].astype(dt))
+        v = project(x, self.wv[...].astype(dt))
         if self.cfg.dense.qkv_bias:
             q, k, v = (a + b[...].astype(dt) for a, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
         if self.cfg.dense.qk_norm:
@@ -275,7 +275,7 @@ class DenseAttention(nnx.Module):
                 y = cached_attention(q, k_all, v_all, mask, keys_transposed=True)
             y = refuse_rows(y, fits)
             new_cache = {"k": k_all, "v": v_all, "lengths": lengths + jnp.where(fits, added, 0)}
-        out = jnp.einsum("bthk,hkd->btd", y.astype(dt), self.wo[...].astype(dt))
+        out = project(y.astype(dt), self.wo[...].astype(dt), contract=2)
         return out, new_cache
 
     def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> DenseCache:

@@ -62,7 +62,7 @@ from aiinfra_jax.kernels.leapquant import (RECORD_DTYPES, LeapQuantSpec, encode_
                                            init_state, leapquant_decode, materialize)
 
 from ..config import ModelConfig, check_implementation, runtime_field
-from ..layers import make_param, out_proj_std
+from ..layers import make_param, out_proj_std, project
 from ..registry import register_config, register_mixer
 from ..short_conv import causal_conv
 
@@ -258,14 +258,14 @@ class _GatedDelta(nnx.Module):
         """g (log-decays <= 0), float32: [B,T,HV] for GDN, [B,T,HV,K] for KDA."""
         a = jnp.exp(self.A_log[...])
         if self.per_channel_decay:
-            z = jnp.einsum("btd,dr->btr", x, self.w_f1[...].astype(x.dtype))
-            z = jnp.einsum("btr,rhk->bthk", z, self.w_f2[...].astype(x.dtype))
+            z = project(x, self.w_f1[...].astype(x.dtype))
+            z = project(z, self.w_f2[...].astype(x.dtype))
             z = z.astype(jnp.float32) + self.dt_bias[...]
             bound = self.cfg.gated_delta.kda_gate_bound
             if bound:
                 return -bound * jax.nn.sigmoid(a[:, None] * z)
             return -a[:, None] * jax.nn.softplus(z)
-        z = jnp.einsum("btd,dh->bth", x, self.w_a[...].astype(x.dtype)).astype(jnp.float32)
+        z = project(x, self.w_a[...].astype(x.dtype)).astype(jnp.float32)
         return -a * jax.nn.softplus(z + self.dt_bias[...])
 
     def _qkv(self, x, segment_ids, conv_state):
@@ -274,9 +274,9 @@ class _GatedDelta(nnx.Module):
         h, hv, kd, vd = self.dims
         dt = x.dtype
         qkv = jnp.concatenate([
-            jnp.einsum("btd,dhk->bthk", x, self.w_q[...].astype(dt)).reshape(*x.shape[:2], -1),
-            jnp.einsum("btd,dhk->bthk", x, self.w_k[...].astype(dt)).reshape(*x.shape[:2], -1),
-            jnp.einsum("btd,dhk->bthk", x, self.w_v[...].astype(dt)).reshape(*x.shape[:2], -1),
+            project(x, self.w_q[...].astype(dt).reshape(x.shape[-1], -1)),
+            project(x, self.w_k[...].astype(dt).reshape(x.shape[-1], -1)),
+            project(x, self.w_v[...].astype(dt).reshape(x.shape[-1], -1)),
         ], axis=-1)
         new_conv = None
         if self.cfg.gated_delta.conv_width:
@@ -293,9 +293,9 @@ class _GatedDelta(nnx.Module):
         dt = x.dtype
         o32 = o.astype(jnp.float32)
         o32 = o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + self.cfg.norm_eps)
-        gate = jnp.einsum("btd,dhv->bthv", x, self.w_gate[...].astype(dt))
+        gate = project(x, self.w_gate[...].astype(dt))
         y = (o32 * self.o_norm[...].astype(jnp.float32)).astype(dt) * jax.nn.silu(gate)
-        return jnp.einsum("bthv,hvd->btd", y, self.w_o[...].astype(dt))
+        return project(y, self.w_o[...].astype(dt), contract=2)
 
     def recurrence_inputs(self, x_btd: jax.Array) -> tuple[jax.Array, ...]:
         """What this layer feeds the recurrence for inputs x [B,T,D] (one document, no cache):
@@ -303,7 +303,7 @@ class _GatedDelta(nnx.Module):
         beta [B,T,HV]). For state studies (eval/bench_leapquant.py)."""
         x = x_btd.astype(jnp.dtype(self.cfg.dtype))
         q, k, v, _ = self._qkv(x, None, None)
-        beta = jax.nn.sigmoid(jnp.einsum("btd,dh->bth", x, self.w_b[...].astype(x.dtype))
+        beta = jax.nn.sigmoid(project(x, self.w_b[...].astype(x.dtype))
                               .astype(jnp.float32))
         return q, k, v, self._decay(x), beta
 
@@ -317,7 +317,7 @@ class _GatedDelta(nnx.Module):
         q, k, v, new_conv = self._qkv(x, segment_ids,
                                       None if cache is None else cache.get("conv"))
         g = self._decay(x)
-        beta = jax.nn.sigmoid(jnp.einsum("btd,dh->bth", x, self.w_b[...].astype(x.dtype))
+        beta = jax.nn.sigmoid(project(x, self.w_b[...].astype(x.dtype))
                               .astype(jnp.float32))
         run = dict(scale=self.dims[2] ** -0.5, chunk_size=c.chunk_size,
                    implementation=c.implementation, interpret=c.interpret)

@@ -103,7 +103,7 @@ from aiinfra_jax.kernels.flash_attention import AttentionMask, cached_attention,
 
 from ..auxiliary import record, report_loss, report_metric
 from ..config import ModelConfig, check_implementation, runtime_field
-from ..layers import apply_rope, out_proj_std
+from ..layers import apply_rope, out_proj_std, project
 from ..registry import register_config, register_mixer
 from .dense import cache_mask, cache_room, kv_buffers, refuse_rows, write_kv
 from .msa_routing import (
@@ -332,7 +332,7 @@ class MSAttention(nnx.Module):
         dt = jnp.dtype(self.cfg.dtype)
         x = x_btd.astype(dt)
         x_route = jax.lax.stop_gradient(x) if self.cfg.msa.router_stop_gradient else x
-        out = {name: jnp.einsum("btd,dhk->bthk", src, getattr(self, w)[...].astype(dt))
+        out = {name: project(src, getattr(self, w)[...].astype(dt))
                for name, w, src in (("q", "wq", x), ("k", "wk", x), ("v", "wv", x),
                                     ("q_route", "router_q", x_route),
                                     ("k_route", "router_k", x_route))}
@@ -355,7 +355,7 @@ class MSAttention(nnx.Module):
             y = flash_attention(p["q"], p["k"], p["v"], mask=AttentionMask(causal=True), **kernel)
         else:
             y = self._routed(p, segment_ids.astype(jnp.int32), kernel)
-        out = jnp.einsum("bthk,hkd->btd", y.astype(dt), self.wo[...].astype(dt))
+        out = project(y.astype(dt), self.wo[...].astype(dt), contract=2)
         return out, new_cache
 
     def _routed(self, p: dict[str, jax.Array], seg: jax.Array, kernel: dict) -> jax.Array:

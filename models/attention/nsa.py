@@ -47,7 +47,7 @@ from aiinfra_jax.kernels.sparse_attention import sparse_attention
 
 from ..auxiliary import record
 from ..config import ModelConfig, check_implementation, runtime_field
-from ..layers import apply_rope, out_proj_std
+from ..layers import apply_rope, out_proj_std, project
 from ..registry import register_config, register_mixer
 # n_compressed is also re-exported: tests and eval/bench_nsa import it from here.
 from .nsa_cache import NSACache, NSACacheMixin, attend_one, cache_keys, n_compressed
@@ -261,17 +261,16 @@ class NSAttention(NSACacheMixin, nnx.Module):
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
         x = x_btd.astype(dt)
-        q = apply_rope(jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt)), positions_bt,
+        q = apply_rope(project(x, self.wq[...].astype(dt)), positions_bt,
                        cfg.rope_theta)
         # Branch axis after the tokens: the product is then [B*T, D] x [D, n*K*Dh] on the weights
         # as stored. With it first ("->nbthk") XLA:CPU copied (transposed) wk and wv in every
         # call: 8 weight copies, ~1 ms of a ~8 ms nsa_tiny decode step at batch 8.
-        k_btnkd = jnp.einsum("btd,dnhk->btnhk", x, self.wk[...].astype(dt))
-        v_btnkd = jnp.einsum("btd,dnhk->btnhk", x, self.wv[...].astype(dt))
+        k_btnkd = project(x, self.wk[...].astype(dt))
+        v_btnkd = project(x, self.wv[...].astype(dt))
         k_nbtkd = [k_btnkd[:, :, i] for i in range(k_btnkd.shape[2])]
         v_nbtkd = [v_btnkd[:, :, i] for i in range(v_btnkd.shape[2])]
-        logits = jnp.einsum("btd,dhc->bthc", x, self.w_gate[...].astype(dt),
-                            preferred_element_type=jnp.float32)
+        logits = project(x, self.w_gate[...].astype(dt), preferred_element_type=jnp.float32)
         gates = jax.nn.sigmoid(logits + self.b_gate[...].astype(jnp.float32))
         wh = cfg.nsa.window_heads
         if wh is not None and wh < cfg.n_heads:  # heads >= wh have no window branch
@@ -377,7 +376,7 @@ class NSAttention(NSACacheMixin, nnx.Module):
             new_cache = None
         else:
             y, new_cache = self._cached(q, gates, new, positions, segment_ids, cache)
-        out = jnp.einsum("bthk,hkd->btd", y.astype(dt), self.wo[...].astype(dt))
+        out = project(y.astype(dt), self.wo[...].astype(dt), contract=2)
         return out, new_cache
 
     def _forward(self, q, gates, new, positions, segment_ids):
