@@ -27,7 +27,7 @@ CONFIG = Config(
                                           department_limit=2, department_d_ff=344,
                                           private_dim=32, private_placement="hidden",
                                           router="softmax", load_balance_weight=1e-2,
-                                          z_loss_weight=1e-3)),
+                                          z_loss_weight=1e-3), scan_unroll=0),
     data=DataConfig(sources=("embedded",), tokenizer="byte", seq_len=256, batch_size=16),
     optim=OptimConfig(lr=2e-3, warmup_steps=30, schedule="cosine", weight_decay=0.1),
     checkpoint=CheckpointConfig(every=100, keep=3),

@@ -63,7 +63,7 @@ NSA = NSAConfig(cmp_block_len=16, cmp_stride=8, sel_block_size=32, n_selected=8,
 
 CONFIG = Config(
     model=ModelConfig(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, mixers=("nsa",), nsa=NSA,
-                      short_conv=4, max_seq_len=4096),
+                      short_conv=4, max_seq_len=4096, scan_unroll=0),
     data=DataConfig(
         sources=("embedded", "synthetic:niah" + _SYN, "synthetic:passkey" + _SYN,
                  "synthetic:mqar" + _SYN + ",num_queries=16",

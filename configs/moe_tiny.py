@@ -16,7 +16,7 @@ CONFIG = Config(
     model=ModelConfig(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, mixers=("dense",),
                       ffns=("moe",),
                       moe=MoEConfig(num_experts=8, top_k=2, expert_d_ff=352, router="softmax",
-                                    load_balance_weight=1e-2, z_loss_weight=1e-3)),
+                                    load_balance_weight=1e-2, z_loss_weight=1e-3), scan_unroll=0),
     data=DataConfig(sources=("embedded",), tokenizer="byte", seq_len=256, batch_size=16),
     optim=OptimConfig(lr=2e-3, warmup_steps=30, schedule="cosine", weight_decay=0.1),
     checkpoint=CheckpointConfig(every=100, keep=3),

@@ -58,7 +58,7 @@ _ROWS = ("synthetic:msa_niah:docs=4,doc_weight=0.05,answer_weight=1.0,query_offs
 CONFIG = Config(
     model=ModelConfig(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, mixers=("msa",), msa=MSA,
                       short_conv=4, max_seq_len=4096,
-                      stages=((700, {"msa.memory_negatives": 2}),)),
+                      stages=((700, {"msa.memory_negatives": 2}),), scan_unroll=0),
     data=DataConfig(sources=(_ROWS + ",positives=4", _ROWS + ",near_keys=1,same_length=2"),
                     weights=(1, 0),
                     stages=((700, (0.2, 0.8)),), tokenizer="byte", seq_len=256, batch_size=32),

@@ -15,7 +15,7 @@ CONFIG = Config(
     model=ModelConfig(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, mixers=("nsa",),
                       nsa=NSAConfig(cmp_block_len=32, cmp_stride=16, sel_block_size=64,
                                     n_selected=16, window=512),
-                      max_seq_len=16384, remat="full"),
+                      max_seq_len=16384, remat="full", scan_unroll=0),
     data=DataConfig(sources=("embedded",), tokenizer="byte", seq_len=4096, batch_size=2),
     optim=OptimConfig(lr=1e-3, warmup_steps=50, schedule="cosine", weight_decay=0.1),
     checkpoint=CheckpointConfig(every=200, keep=2),

@@ -15,7 +15,8 @@ NSA = NSAConfig(cmp_block_len=16, cmp_stride=8, sel_block_size=32, n_selected=4,
                 n_local=2, window=64)
 
 CONFIG = Config(
-    model=ModelConfig(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, mixers=("nsa",), nsa=NSA),
+    model=ModelConfig(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, mixers=("nsa",), nsa=NSA,
+                      scan_unroll=0),
     data=DataConfig(sources=("embedded",), tokenizer="byte", seq_len=256, batch_size=16),
     optim=OptimConfig(lr=2e-3, warmup_steps=30, schedule="cosine", weight_decay=0.1),
     checkpoint=CheckpointConfig(every=100, keep=3),

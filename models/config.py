@@ -109,6 +109,11 @@ class ModelConfig:
     # "none" | "full" | a jax.checkpoint_policies name, e.g. "dots_saveable"
     remat: str = runtime_field("none")
     scan_layers: bool = True  # stacked [R, ...] parameters run by a scan (changes the param tree)
+    # Layer-scan steps unrolled per loop iteration (jax.lax.scan's unroll; 0 = all: straight-line
+    # code, the parameters still stacked). On the CPU a fully unrolled scan does not copy each
+    # layer's activations into stacked residual buffers: the tiny preset's training step 1.24-1.28x
+    # faster (eval/BENCHMARKS.md, "Training loop", 2026-12-07), for a compile that grows with depth.
+    scan_unroll: int = runtime_field(1)
     init_std: float = 0.02
     max_seq_len: int = runtime_field(4096)  # used only for checks and cache sizes
     # Width W of a causal depthwise convolution (with a residual) on every mixer's input; 0 = off.
@@ -230,6 +235,10 @@ class ModelConfig:
                 or self.short_conv < 0:
             self._fail("short_conv", "must be an int >= 0 (the kernel width; 0 = no convolution, "
                        "4 is the usual choice)")
+        if not isinstance(self.scan_unroll, int) or isinstance(self.scan_unroll, bool) \
+                or self.scan_unroll < 0:
+            self._fail("scan_unroll", "must be an int >= 0 (layer-scan steps per loop iteration; "
+                       "1 = a plain loop, 0 = all layers unrolled)")
         for name in ("tie_embeddings", "scan_layers"):
             if not isinstance(getattr(self, name), bool):
                 self._fail(name, "must be True or False")

@@ -333,8 +333,9 @@ class Transformer(nnx.Module):
                 return carry, (new_block_cache, outputs, updated)
 
             blocks_cache = None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *cache)
-            carry, (new_cache, stacked, updated) = jax.lax.scan(scan_body, carry,
-                                                                (state, blocks_cache, keys))
+            carry, (new_cache, stacked, updated) = jax.lax.scan(
+                scan_body, carry, (state, blocks_cache, keys),
+                unroll=cfg.scan_unroll or cfg.n_repeats)
             if cache is None:
                 nnx.update(self.blocks, updated)
             else:  # inference: the model's state is left as it is (the loop below says why)

@@ -166,6 +166,24 @@ def test_remat_does_not_change_loss_or_grads():
         np.testing.assert_allclose(g, expected, rtol=1e-4, atol=1e-7, err_msg=str(path))
 
 
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_unrolled_layer_scan_gives_the_same_loss_and_grads(remat):
+    """model.scan_unroll (a run-time setting: the same parameters) unrolls the layer scan."""
+    tokens, positions = _batch(3)
+    scanned = _variant(_build(**PATTERN), remat=remat)
+    loss0, grads0 = _loss_and_grads_fn(*nnx.split(scanned), tokens, positions)
+    flat0 = _flat(grads0)
+    for unroll in (0, 2):
+        loss, grads = _loss_and_grads_fn(*nnx.split(_variant(scanned, scan_unroll=unroll)),
+                                         tokens, positions)
+        np.testing.assert_allclose(loss, loss0, rtol=1e-6)
+        for path, g in _flat(grads).items():
+            np.testing.assert_allclose(g, flat0[path], rtol=1e-5, atol=1e-7, err_msg=str(path))
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="scan_unroll"):
+            dataclasses.replace(CFG, scan_unroll=bad)
+
+
 def test_packed_documents_do_not_see_each_other():
     model = _build()
     tokens, _ = _batch(3)
