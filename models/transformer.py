@@ -333,9 +333,16 @@ class Transformer(nnx.Module):
                 return carry, (new_block_cache, outputs, updated)
 
             blocks_cache = None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *cache)
+            # Unrolled only within one process: unrolled, the layers' gradient all-reduces are
+            # independent ops, which XLA:CPU may start in a different order in each process. With
+            # two processes a killed peer then left the survivor in a mismatched gloo collective
+            # (an abort, "Received data size doesn't match expected size", instead of the
+            # lost-contact message: tests/core/test_multiprocess.py failed 2 of 4 runs, passed
+            # 5 of 5 looped). A loop runs them in order.
+            unroll = cfg.scan_unroll or cfg.n_repeats
             carry, (new_cache, stacked, updated) = jax.lax.scan(
                 scan_body, carry, (state, blocks_cache, keys),
-                unroll=cfg.scan_unroll or cfg.n_repeats)
+                unroll=unroll if jax.process_count() == 1 else 1)
             if cache is None:
                 nnx.update(self.blocks, updated)
             else:  # inference: the model's state is left as it is (the loop below says why)
