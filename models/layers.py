@@ -53,13 +53,12 @@ def project(x: jax.Array, w: jax.Array, *, contract: int = 1, w_transposed: bool
     csize = math.prod(x.shape[x.ndim - contract:])
     out = w.shape[:w.ndim - contract] if w_transposed else w.shape[contract:]
     w2 = w.reshape(-1, csize) if w_transposed else w.reshape(csize, -1)
-    dims = (((x.ndim - contract,), (1 if w_transposed else 0,)), ((), ()))
     concrete = all(isinstance(d, int) for d in lead)  # not an export's symbolic batch / seq
     if len(lead) >= 2 and concrete and not splits(x, ("batch", "seq") + (None,) * (x.ndim - 2), 1):
         x2 = x.reshape(math.prod(lead), csize)
-        dims = (((1,), dims[0][1]), ((), ()))
     else:
         x2 = x.reshape(lead + (csize,))
+    dims = (((x2.ndim - 1,), (1 if w_transposed else 0,)), ((), ()))
     y = jax.lax.dot_general(x2, w2, dims, preferred_element_type=preferred_element_type)
     return y.reshape(lead + out)
 

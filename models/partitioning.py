@@ -85,24 +85,33 @@ def mesh_axis_sizes(mesh) -> dict[str, int]:
             if kind != manual}
 
 
+def _active_spec(x: jax.Array, logical_axes: Sequence[str | None], rules: Rules | None = None):
+    """(spec, mesh) that the active rules (or `rules`) and mesh give x, or None outside a trace
+    (eager calls), with no rules, or without a mesh of more than one device."""
+    if not isinstance(x, jax.core.Tracer):
+        return None
+    rules = get_logical_axis_rules() if rules is None else rules
+    if not rules:
+        return None
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None
+    sizes = mesh_axis_sizes(mesh)
+    if all(size == 1 for size in sizes.values()):
+        return None
+    return logical_spec(logical_axes, x.shape, sizes, rules), mesh
+
+
 def constrain(x: jax.Array, logical_axes: Sequence[str | None], rules: Rules | None = None
               ) -> jax.Array:
     """x with a sharding constraint from its dimensions' logical names, under the active rules
     (or `rules`) and mesh: `jax.lax.with_sharding_constraint` (`jax.sharding.reshard` on a mesh
     whose axes are all Explicit). x itself outside a trace (eager calls), when there are no rules,
     or when there is no mesh with more than one device."""
-    if not isinstance(x, jax.core.Tracer):
+    active = _active_spec(x, logical_axes, rules)
+    if active is None:
         return x
-    rules = get_logical_axis_rules() if rules is None else rules
-    if not rules:
-        return x
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return x
-    sizes = mesh_axis_sizes(mesh)
-    if all(size == 1 for size in sizes.values()):
-        return x
-    spec = logical_spec(logical_axes, x.shape, sizes, rules)
+    spec, mesh = active
     if mesh.are_all_axes_explicit:
         return jax.sharding.reshard(x, spec)
     return jax.lax.with_sharding_constraint(x, spec)
@@ -112,16 +121,8 @@ def splits(x: jax.Array, logical_axes: Sequence[str | None], dim: int) -> bool:
     """Whether dimension `dim` of x (its dimensions named `logical_axes`) is split over mesh axes
     under the active rules and mesh (what `constrain` would ask for). False outside a trace, with
     no rules or without a mesh of more than one device."""
-    if not isinstance(x, jax.core.Tracer):
-        return False
-    rules = get_logical_axis_rules()
-    mesh = jax.sharding.get_abstract_mesh()
-    if not rules or mesh.empty:
-        return False
-    sizes = mesh_axis_sizes(mesh)
-    if all(size == 1 for size in sizes.values()):
-        return False
-    return logical_spec(logical_axes, x.shape, sizes, rules)[dim] is not None
+    active = _active_spec(x, logical_axes)
+    return active is not None and active[0][dim] is not None
 
 
 def shard_map_over(fn, mesh, in_specs, out_specs, check: bool = True):
