@@ -57,17 +57,18 @@ def _with_zero_others(d_floats, primal):
     return merge_split(d_floats, _float0_like(split_inexact(primal)[1]))
 
 
-def rebuilding_scan(body, carry0, xs, extras, *, snapshot, rebuild):
+def rebuilding_scan(body, carry0, xs, extras, *, snapshot, rebuild, unroll: int | bool = 1):
     """jax.lax.scan(body(carry, x, extras) -> (carry, aux)) whose backward does not keep every
     step's carry: the forward saves snapshot(carry) per step (small) and the final carry; the
     backward rebuilds step r's input carry as rebuild(final_carry, snapshot_r), recomputes the
     step under jax.vjp and walks the steps in reverse. Memory O(buffer + steps * snapshot) instead
     of O(steps * buffer), at the cost of recomputing each step's forward (remat="full" pays that
-    anyway). extras (positions, segment ids) get no gradient."""
+    anyway). extras (positions, segment ids) get no gradient. unroll: jax.lax.scan's, for the
+    forward and the backward scan alike."""
 
     @jax.custom_vjp
     def run(carry0, xs, extras):
-        return jax.lax.scan(lambda c, x: body(c, x, extras), carry0, xs)
+        return jax.lax.scan(lambda c, x: body(c, x, extras), carry0, xs, unroll=unroll)
 
     def fwd(carry0, xs, extras):
         def step(c, x):
@@ -75,7 +76,7 @@ def rebuilding_scan(body, carry0, xs, extras, *, snapshot, rebuild):
             c, aux = body(c, x, extras)
             return c, (aux, snap)
 
-        carry, (aux, snaps) = jax.lax.scan(step, carry0, xs)
+        carry, (aux, snaps) = jax.lax.scan(step, carry0, xs, unroll=unroll)
         return (carry, aux), (carry, snaps, xs, extras)
 
     def bwd(res, cts):
@@ -96,7 +97,7 @@ def rebuilding_scan(body, carry0, xs, extras, *, snapshot, rebuild):
             return d_c, d_x
 
         d_c0, d_xs = jax.lax.scan(step, split_inexact(d_final)[0], (xs, snaps, d_aux),
-                                  reverse=True)
+                                  reverse=True, unroll=unroll)
         return _with_zero_others(d_c0, carry0), _with_zero_others(d_xs, xs), None
 
     run.defvjp(fwd, bwd)
@@ -130,11 +131,12 @@ def parameter_groups(block_state) -> list[tuple[int, Any]] | None:
 
 
 def sublayer_scan(graphdef, states, keys, carry0, extras, *, snapshot: Callable,
-                  rebuild: Callable):
+                  rebuild: Callable, unroll: int | bool = 1):
     """The layer scan of Transformer.features for remat="none" with a rebuildable carry (see the
     module docstring). states: the Blocks' parameters stacked over the R repeats; keys: [R] PRNG
     keys or None; extras = (positions, segment_ids), no gradient. Returns (final carry,
-    (losses, metrics)) with the per-block outputs stacked over R, as the plain scan does."""
+    (losses, metrics)) with the per-block outputs stacked over R, as the plain scan does. unroll:
+    jax.lax.scan's, for the forward and the backward scan alike."""
     leaves0, treedef = jax.tree.flatten(states)
     groups = parameter_groups(states)
     if groups is None:
@@ -219,12 +221,13 @@ def sublayer_scan(graphdef, states, keys, carry0, extras, *, snapshot: Callable,
 
     @jax.custom_vjp
     def run(carry0, states, keys):
-        final, (outputs, _) = jax.lax.scan(fwd_step, carry0, (jax.tree.leaves(states), keys))
+        final, (outputs, _) = jax.lax.scan(fwd_step, carry0, (jax.tree.leaves(states), keys),
+                                           unroll=unroll)
         return final, outputs
 
     def run_fwd(carry0, states, keys):
         leaves = jax.tree.leaves(states)
-        final, (outputs, saved) = jax.lax.scan(fwd_step, carry0, (leaves, keys))
+        final, (outputs, saved) = jax.lax.scan(fwd_step, carry0, (leaves, keys), unroll=unroll)
         # Only carry0's non-float leaves (the counter): its float part (the initial buffer) is
         # not needed for the backward, and saving it would keep one more buffer alive.
         return (final, outputs), (final, saved, leaves, keys, split_inexact(carry0)[1])
@@ -268,7 +271,7 @@ def sublayer_scan(graphdef, states, keys, carry0, extras, *, snapshot: Callable,
 
         d_c0, d_leaves = jax.lax.scan(
             bwd_step, split_inexact(d_final)[0], (all_leaves, keys, saved, d_outputs),
-            reverse=True)
+            reverse=True, unroll=unroll)
         d_states = jax.tree.unflatten(treedef, d_leaves)
         d_keys = None if keys is None else _float0_like(keys)
         return merge_split(d_c0, _float0_like(c0_others)), d_states, d_keys

@@ -289,6 +289,14 @@ class Transformer(nnx.Module):
             body = jax.checkpoint(body, policy=_remat_policy(cfg.remat),
                                   prevent_cse=not cfg.scan_layers, static_argnums=(4,))
 
+        # Layer-scan steps per loop iteration, for every scan below. Unrolled only within one
+        # process: unrolled, the layers' gradient all-reduces are independent ops, which XLA:CPU
+        # may start in a different order in each process. With two processes a killed peer then
+        # left the survivor in a mismatched gloo collective (an abort, "Received data size doesn't
+        # match expected size", instead of the lost-contact message: tests/core/
+        # test_multiprocess.py failed 2 of 4 runs, passed 5 of 5 looped). A loop runs them in order.
+        unroll = (cfg.scan_unroll or cfg.n_repeats) if jax.process_count() == 1 else 1
+
         # Residual schemes with a rebuildable carry (models/rebuilding.py) skip saving it per layer.
         rebuilds = getattr(residual_cls, "rebuilds", lambda cfg: False)(cfg)
         rebuild = getattr(residual_cls, "rebuild_carry", None) if rebuilds else None
@@ -302,7 +310,7 @@ class Transformer(nnx.Module):
             carry, (losses, metrics) = sublayer_scan(
                 graphdef, state, keys, carry, (positions, segment_ids),
                 snapshot=functools.partial(residual_cls.snapshot, cfg),
-                rebuild=functools.partial(rebuild, cfg))
+                rebuild=functools.partial(rebuild, cfg), unroll=unroll)
             stacked = {"losses": losses, "metrics": metrics, "intermediates": {}}
             new_cache = None
         elif can_rebuild and cfg.remat == "full":
@@ -320,7 +328,7 @@ class Transformer(nnx.Module):
             carry, (losses, metrics) = rebuilding_scan(
                 plain_body, carry, (state, keys), (positions, segment_ids),
                 snapshot=functools.partial(residual_cls.snapshot, cfg),
-                rebuild=functools.partial(rebuild, cfg))
+                rebuild=functools.partial(rebuild, cfg), unroll=unroll)
             stacked = {"losses": losses, "metrics": metrics, "intermediates": {}}
             new_cache = None
         elif cfg.scan_layers and (cache is None or _scans_cached_chunk(cache, tokens)):
@@ -333,16 +341,8 @@ class Transformer(nnx.Module):
                 return carry, (new_block_cache, outputs, updated)
 
             blocks_cache = None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *cache)
-            # Unrolled only within one process: unrolled, the layers' gradient all-reduces are
-            # independent ops, which XLA:CPU may start in a different order in each process. With
-            # two processes a killed peer then left the survivor in a mismatched gloo collective
-            # (an abort, "Received data size doesn't match expected size", instead of the
-            # lost-contact message: tests/core/test_multiprocess.py failed 2 of 4 runs, passed
-            # 5 of 5 looped). A loop runs them in order.
-            unroll = cfg.scan_unroll or cfg.n_repeats
             carry, (new_cache, stacked, updated) = jax.lax.scan(
-                scan_body, carry, (state, blocks_cache, keys),
-                unroll=unroll if jax.process_count() == 1 else 1)
+                scan_body, carry, (state, blocks_cache, keys), unroll=unroll)
             if cache is None:
                 nnx.update(self.blocks, updated)
             else:  # inference: the model's state is left as it is (the loop below says why)

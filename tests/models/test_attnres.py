@@ -264,7 +264,8 @@ def test_rebuilding_scans_give_the_same_loss_and_gradients(residual, n_blocks, r
     under remat="none" (each sublayer's own vjp kept, the depth reads and writes recomputed); both
     read the final buffer in the backward. Loss, auxiliary loss and every gradient equal plain
     autodiff through the scan (rebuild=False), with packed documents and random queries. Block with
-    n_blocks=1 keeps a partial sum across the layers."""
+    n_blocks=1 keeps a partial sum across the layers. The rebuilding scans also run unrolled
+    (model.scan_unroll=0), with the same results."""
     cfg = dataclasses.replace(_cfg(residual, n_blocks=n_blocks, n_layers=4, remat=remat), **extra)
     tokens, positions = _tokens(3)
     segs = jnp.asarray(np.repeat([[1, 1, 1, 2, 2, 2]], B, 0), jnp.int32)
@@ -274,8 +275,9 @@ def test_rebuilding_scans_give_the_same_loss_and_gradients(residual, n_blocks, r
     real = getattr(tf, name)
     monkeypatch.setattr(tf, name, lambda *a, **k: calls.append(1) or real(*a, **k))
     grads = {}
-    for rebuild in (False, True):
-        c = dataclasses.replace(cfg, attnres=dataclasses.replace(cfg.attnres, rebuild=rebuild))
+    for rebuild, unroll in ((False, 1), (True, 1), (True, 0)):
+        c = dataclasses.replace(cfg, attnres=dataclasses.replace(cfg.attnres, rebuild=rebuild),
+                                scan_unroll=unroll)
         model = Transformer(c, rngs=nnx.Rngs(0))
         _randomize_queries(model, 1)
         graphdef, state = nnx.split(model)
@@ -286,19 +288,23 @@ def test_rebuilding_scans_give_the_same_loss_and_gradients(residual, n_blocks, r
             return (jnp.mean(jax.nn.log_softmax(logits)[..., 0] ** 2)
                     + sum(aux["losses"].values(), 0.0)), aux["losses"]
 
-        grads[rebuild] = jax.jit(jax.value_and_grad(loss, has_aux=True))(state)
+        grads[rebuild, unroll] = jax.jit(jax.value_and_grad(loss, has_aux=True))(state)
         assert bool(calls) == rebuild, f"rebuild={rebuild}: {name} calls {calls}"
-    ((l0, aux0), g0), ((l1, aux1), g1) = grads[False], grads[True]
-    assert _rel(l1, l0) < 1e-6
-    assert aux0.keys() == aux1.keys() and (bool(aux0) == ("moe" in cfg.ffns))
-    for k in aux0:
-        assert _rel(aux1[k], aux0[k]) < 1e-6, k
-    flat0, flat1 = dict(nnx.to_flat_state(g0)), dict(nnx.to_flat_state(g1))
-    assert flat0.keys() == flat1.keys()
-    for path in flat0:
-        a, b = flat1[path][...], flat0[path][...]
-        assert float(jnp.max(jnp.abs(b))) > 0 or "bias" in str(path), path
-        assert _rel(a, b) < 2e-5, (path, _rel(a, b))
+        calls.clear()
+    (l0, aux0), g0 = grads[False, 1]
+    flat0 = dict(nnx.to_flat_state(g0))
+    for unroll in (1, 0):
+        (l1, aux1), g1 = grads[True, unroll]
+        assert _rel(l1, l0) < 1e-6
+        assert aux0.keys() == aux1.keys() and (bool(aux0) == ("moe" in cfg.ffns))
+        for k in aux0:
+            assert _rel(aux1[k], aux0[k]) < 1e-6, k
+        flat1 = dict(nnx.to_flat_state(g1))
+        assert flat0.keys() == flat1.keys()
+        for path in flat0:
+            a, b = flat1[path][...], flat0[path][...]
+            assert float(jnp.max(jnp.abs(b))) > 0 or "bias" in str(path), path
+            assert _rel(a, b) < 2e-5, (unroll, path, _rel(a, b))
 
 
 @pytest.mark.parametrize("remat", ["full", "none"])
