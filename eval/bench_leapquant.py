@@ -411,7 +411,8 @@ def main(argv=None) -> int | None:
     q.add_argument("--length", type=int, default=1024, help="input tokens per document")
     q.add_argument("--prefill", type=int, default=0, help="inputs fed by prefill, not scored")
     q.add_argument("--settings", default=None,
-                   help="model.gated_delta.state_quant values; none = float32 (the reference); "
+                   help="model.gated_delta.state_quant values; none = float32 (the reference), "
+                   "+bf16rec: window records in bfloat16 (e.g. int8+bf16rec); "
                    "default none,bf16_per_step,int8_per_step,int8,int6,int4")
     q.add_argument("--no-forward", action="store_true",
                    help="skip the training-forward comparison")

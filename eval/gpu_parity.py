@@ -205,7 +205,12 @@ def _parity_gated_delta(B, T, H, HV, K, V, kda, strong, dtype, chunk):
     return run
 
 
-def _parity_leapquant(B, T, H, HV, K, V, kda, window, rank):
+# The windowed read's error against the float32 recurrence with bf16 window records and no
+# quantization: each step's update rounded to bf16 (tests/kernels/test_leapquant.py's _RECORD_TOL).
+BF16_RECORDS_TOL = 5e-3
+
+
+def _parity_leapquant(B, T, H, HV, K, V, kda, window, rank, records="float32"):
     """LeapQuant decode with the Pallas window read. Forward only: decoding has no gradient.
 
     The compared tensors: format "none" (a float32 boundary state, the same read kernel and
@@ -218,7 +223,13 @@ def _parity_leapquant(B, T, H, HV, K, V, kda, window, rank):
     5e-3 to 1e-2; the old fixed 2e-3 failed one draw of 12). So INT8 gets two checks that scale with
     the quantization error q = rel err(reference.py, float32 recurrence): the kernel's own error
     against the float32 recurrence is at most 1.1 q (as accurate as the reference), and the kernel
-    and the XLA decode each differ from reference.py by at most q / 2."""
+    and the XLA decode each differ from reference.py by at most q / 2.
+
+    records="bfloat16" (k~ and u stored in bf16, LeapQuantSpec.record_dtype): the row's dtype is
+    bfloat16 and its compared tensors (format "none") also pass BF16_RECORDS_TOL. reference.py
+    keeps float32 records, so the INT8 checks take the XLA decode with the same bf16 records as
+    their reference: q = its error against the float32 recurrence, the kernel's own error at most
+    1.1 q, and kernel and XLA decode within q / 2 of each other."""
     def run(rng, pallas, opts):
         # imported here: a kernel still being written breaks its own row, not the script
         from aiinfra_jax.kernels.leapquant import (LeapQuantSpec, encode_state, leapquant_decode,
@@ -232,7 +243,7 @@ def _parity_leapquant(B, T, H, HV, K, V, kda, window, rank):
             (-rate * np.exp(0.3 * normal(*gshape))).astype(np.float32),
             1 / (1 + np.exp(-normal(B, T, HV)))))
         S0 = jnp.asarray(normal(B, HV, K, V))
-        int8 = LeapQuantSpec(fmt="int8", window=window, rank=rank)
+        int8 = LeapQuantSpec(fmt="int8", window=window, rank=rank, record_dtype=records)
         jit_kw = {"compiler_options": opts} if opts else {}
 
         def decode(spec, impl):
@@ -244,16 +255,24 @@ def _parity_leapquant(B, T, H, HV, K, V, kda, window, rank):
 
         exact = jax.jit(lambda S0, *a: gated_delta_rule_reference(*a, initial_state=S0),
                         **jit_kw)(S0, *args)
-        plain = decode(LeapQuantSpec(fmt="none", window=window), pallas)
+        plain = decode(LeapQuantSpec(fmt="none", window=window, record_dtype=records), pallas)
         got, xla = decode(int8, pallas), decode(int8, {"implementation": "xla"})
-        ref = jax.jit(leapquant_decode_reference, static_argnums=0, **jit_kw)(int8, S0, *args)
         err = lambda a, b: max(_testing.rel_err(x, y) for x, y in zip(a, b))  # noqa: E731
+        checks = []
+        if records == "float32":
+            ref = jax.jit(leapquant_decode_reference, static_argnums=0, **jit_kw)(int8, S0, *args)
+            ref_name, others = "reference.py", (("int8", got), ("the XLA int8 decode", xla))
+        else:
+            ref, ref_name, others = xla, "the XLA decode (bf16 records)", (("int8", got),)
+            e = err(plain, exact)
+            checks.append((f"none, bf16 records: rel err to the float32 recurrence {e:.2e} "
+                           f"(<= {BF16_RECORDS_TOL:.0e})", e <= BF16_RECORDS_TOL))
         q = err(ref, exact)
-        checks = [(f"int8 as accurate as reference.py: rel err to the float32 recurrence "
-                   f"{err(got, exact):.2e} (<= 1.1 x {q:.2e})", err(got, exact) <= 1.1 * q)]
-        for name, out in (("int8", got), ("the XLA int8 decode", xla)):
+        checks.append((f"int8 as accurate as {ref_name}: rel err to the float32 recurrence "
+                       f"{err(got, exact):.2e} (<= 1.1 x {q:.2e})", err(got, exact) <= 1.1 * q))
+        for name, out in others:
             d = err(out, ref)
-            checks.append((f"{name} within half the quantization error of reference.py: "
+            checks.append((f"{name} within half the quantization error of {ref_name}: "
                            f"{d:.1e} (<= {q / 2:.1e})", d <= q / 2))
         return [("o (none)", plain[0], exact[0]), ("state (none)", plain[1], exact[1])], checks
     return run
@@ -277,7 +296,8 @@ def parity_cases(tiny: bool) -> list[Case]:
                    [0, 5], True, 4)]
         depth = [("Q3 full", 3, 4, 1, 6, 64, "bfloat16", 4)]
         gated = [("kda strong", 1, 96, 1, 2, 16, 16, True, True, "float32", 32)]
-        leap = [("kda int8, window 4", 1, 5, 1, 2, 16, 16, True, 4, 2)]
+        leap = [("kda int8, window 4", 1, 5, 1, 2, 16, 16, True, 4, 2, "float32"),
+                ("gdn int8, bf16 records", 1, 5, 1, 2, 16, 16, False, 4, 2, "bfloat16")]
     else:
         flash = [("causal GQA G4", causal, 2, 1000, 1000, 8, 2, 64, "float32", False),
                  ("causal G16 D128", causal, 1, 2048, 2048, 16, 1, 128, "bfloat16", False),
@@ -295,8 +315,12 @@ def parity_cases(tiny: bool) -> list[Case]:
         gated = [("gdn weak", 2, 1000, 2, 4, 64, 64, False, False, "float32", 64),
                  ("kda strong", 2, 1000, 2, 4, 64, 64, True, True, "float32", 64),
                  ("gdn", 2, 1000, 2, 4, 64, 64, False, False, "bfloat16", 64)]
-        leap = [("gdn int8, window 16", 2, 40, 1, 2, 128, 128, False, 16, 4),
-                ("kda int8, window 16", 2, 40, 2, 4, 64, 64, True, 16, 4)]
+        leap = [("gdn int8, window 16", 2, 40, 1, 2, 128, 128, False, 16, 4, "float32"),
+                ("kda int8, window 16", 2, 40, 2, 4, 64, 64, True, 16, 4, "float32"),
+                ("gdn int8, window 16, bf16 records", 2, 40, 1, 2, 128, 128, False, 16, 4,
+                 "bfloat16"),
+                ("kda int8, window 16, bf16 records", 2, 40, 2, 4, 64, 64, True, 16, 4,
+                 "bfloat16")]
     for name, mask, B, T, S, Hq, Hkv, D, dt, seg in flash:
         add("flash_attention", name, dt, f"B{B} T{T} S{S} Hq{Hq} Hkv{Hkv} D{D}",
             _parity_flash(mask, B, T, S, Hq, Hkv, D, jnp.dtype(dt), seg), tol(dt))
@@ -313,9 +337,9 @@ def parity_cases(tiny: bool) -> list[Case]:
     for name, B, T, H, HV, K, V, kda, strong, dt, C in gated:
         add("gated_delta", name, dt, f"B{B} T{T} H{H} HV{HV} K{K} V{V} C{C}",
             _parity_gated_delta(B, T, H, HV, K, V, kda, strong, jnp.dtype(dt), C), gtol(dt))
-    for name, B, T, H, HV, K, V, kda, P, r in leap:
-        add("leapquant", name, "float32", f"B{B} T{T} H{H} HV{HV} K{K} V{V} P{P} r{r}",
-            _parity_leapquant(B, T, H, HV, K, V, kda, P, r), tol("float32"))
+    for name, B, T, H, HV, K, V, kda, P, r, records in leap:
+        add("leapquant", name, records, f"B{B} T{T} H{H} HV{HV} K{K} V{V} P{P} r{r}",
+            _parity_leapquant(B, T, H, HV, K, V, kda, P, r, records), tol(records))
     return cases
 
 

@@ -8,7 +8,8 @@ Quality mode (issue 23's perplexity measurement on a trained run):
         [--out results.json]
 
 Every setting s loads RUN with `model.gated_delta.state_quant=s` ("none" = float32 states, always
-run first: the reference), in one process. Rows: the first --docs documents of the run's own
+run first: the reference; "s+bf16rec" = s with its window records in bfloat16,
+`model.gated_delta.state_records=bfloat16`: bench_leapquant.gated_delta_fields), in one process. Rows: the first --docs documents of the run's own
 validation split (data.sources, split by data.val_fraction, tokenized BOS + text + EOS as the
 training pipeline does) that hold at least length + 1 tokens, each TRUNCATED to its first
 length + 1 tokens (shorter documents are skipped; the ids and how many were skipped are in the
@@ -49,6 +50,7 @@ import numpy as np
 from flax import nnx
 
 from aiinfra_jax.data import sources as sources_lib
+from aiinfra_jax.eval.bench_leapquant import setting_overrides
 from aiinfra_jax.generate import decode_step, prefill
 from aiinfra_jax.kernels.leapquant import LeapQuantSpec, bytes_per_element
 from aiinfra_jax.load import load_model
@@ -216,10 +218,6 @@ def _buckets(nll: np.ndarray, w: np.ndarray, first: int) -> list[dict]:
             for a, b in _quarters(nll.shape[1])]
 
 
-def _setting_override(setting: str) -> str:
-    return "model.gated_delta.state_quant=" + ("None" if setting == "none" else setting)
-
-
 def quality(checkpoint, *, docs: int = 8, length: int = 1024, prefill_len: int = 0,
             settings=QUALITY_SETTINGS, step: int | None = None, forward: bool = True) -> dict:
     """The quality measurement of the module docstring; returns the JSON-able result."""
@@ -230,7 +228,7 @@ def quality(checkpoint, *, docs: int = 8, length: int = 1024, prefill_len: int =
     if docs < 1 or length < 2 or not 0 <= prefill_len < length:
         raise ValueError(f"bench_leapquant --quality: need --docs >= 1, --length >= 2 and "
                          f"0 <= --prefill < --length; got {docs}, {length}, {prefill_len}")
-    base = load_model(checkpoint, step=step, overrides=[_setting_override("none")])
+    base = load_model(checkpoint, step=step, overrides=setting_overrides("none"))
     cfg = base.config
     if length > cfg.model.max_seq_len:
         raise ValueError(f"bench_leapquant --quality: --length {length} exceeds the model's "
@@ -253,7 +251,7 @@ def quality(checkpoint, *, docs: int = 8, length: int = 1024, prefill_len: int =
     ref, ref_doc = None, None
     for s in settings:
         loaded = base if s == "none" else load_model(checkpoint, step=base.step,
-                                                     overrides=[_setting_override(s)])
+                                                     overrides=setting_overrides(s))
         spec = loaded.config.model.gated_delta.state_spec()
         r = decode_scores(loaded.model, inputs, targets, prefill_len, ref, label=s,
                           mesh=loaded.mesh)

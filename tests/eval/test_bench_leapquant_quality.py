@@ -58,14 +58,20 @@ def test_quality_mode_structure_and_reference(gdn_run, tmp_path, capsys):
     out = tmp_path / "q.json"
     assert bench_leapquant.main(["--quality", "--checkpoint", str(gdn_run), "--docs", "2",
                                  "--length", "20", "--prefill", "0", "--settings",
-                                 "int8_per_step,none", "--out", str(out)]) == 0
+                                 "int8_per_step,none,int8,int8+bf16rec", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert (tmp_path / "q.md").read_text().strip() == capsys.readouterr().out.split(
         "\nwrote ")[0].strip()
-    assert [r["setting"] for r in res["rows"]] == ["none", "int8_per_step"]  # fp32 first
+    assert [r["setting"] for r in res["rows"]] == ["none", "int8_per_step", "int8",
+                                                   "int8+bf16rec"]  # fp32 first
     assert res["docs"] == 2 and len(res["doc_ids"]) == 2 and res["scored_tokens_per_doc"] == 20
     assert all(n >= 21 for n in res["doc_tokens_before_truncation"])
-    fp32, per_step = res["rows"]
+    fp32, per_step, int8, bf16rec = res["rows"]
+    # "+bf16rec": the same INT8 state with its window records (k~ and u) in bf16: 2 heads x 16
+    # records x 2 bytes saved on each of K = 16 and V = 16; its own (nonzero) logit error
+    assert (int8["state_bytes_per_row_per_layer"] - bf16rec["state_bytes_per_row_per_layer"]
+            == 2 * 16 * 2 * (16 + 16))
+    assert bf16rec["max_abs_logit_diff"] > 0
     # the reference is the state_quant=None path itself: no difference at all
     assert fp32["delta"] == 0.0 and fp32["max_abs_logit_diff"] == 0.0
     assert fp32["setting"] == "none" and fp32["state_bytes_per_row_per_layer"] == 4 * 2 * 16 * 16
