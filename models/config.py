@@ -113,8 +113,9 @@ class ModelConfig:
     # code, the parameters still stacked). On the CPU a fully unrolled scan does not copy each
     # layer's activations into stacked residual buffers: the tiny preset's training step 1.24-1.28x
     # faster (eval/BENCHMARKS.md, "Training loop", 2026-12-07), for a compile that grows with depth.
-    # Also the AttnRes rebuilding scans (models/rebuilding.py). A run over several processes keeps
-    # the loop (models/transformer.py says why).
+    # Also the AttnRes rebuilding scans (models/rebuilding.py). Under remat (any policy) and in a
+    # run over several processes the layers stay looped (models/transformer.py says why: unrolled,
+    # remat "full" saved almost no memory).
     scan_unroll: int = runtime_field(1)
     init_std: float = 0.02
     max_seq_len: int = runtime_field(4096)  # used only for checks and cache sizes

@@ -289,13 +289,19 @@ class Transformer(nnx.Module):
             body = jax.checkpoint(body, policy=_remat_policy(cfg.remat),
                                   prevent_cse=not cfg.scan_layers, static_argnums=(4,))
 
-        # Layer-scan steps per loop iteration, for every scan below. Unrolled only within one
-        # process: unrolled, the layers' gradient all-reduces are independent ops, which XLA:CPU
-        # may start in a different order in each process. With two processes a killed peer then
-        # left the survivor in a mismatched gloo collective (an abort, "Received data size doesn't
-        # match expected size", instead of the lost-contact message: tests/core/
-        # test_multiprocess.py failed 2 of 4 runs, passed 5 of 5 looped). A loop runs them in order.
-        unroll = (cfg.scan_unroll or cfg.n_repeats) if jax.process_count() == 1 else 1
+        # Layer-scan steps per loop iteration, for every scan below. Unrolled only
+        # - without remat: unrolled, XLA schedules the recomputed forward freely and keeps about
+        #   as much as without remat (compiled gradient temporaries of the tiny preset at 12
+        #   layers, remat "full": 210 MiB looped, 1583 MiB unrolled, against 1717 MiB for remat
+        #   "none"; eval/BENCHMARKS.md, "Attention Residuals training overhead", 2026-12-07);
+        # - within one process: unrolled, the layers' gradient all-reduces are independent ops,
+        #   which XLA:CPU may start in a different order in each process. With two processes a
+        #   killed peer then left the survivor in a mismatched gloo collective (an abort, "Received
+        #   data size doesn't match expected size", instead of the lost-contact message:
+        #   tests/core/test_multiprocess.py failed 2 of 4 runs, passed 5 of 5 looped). A loop runs
+        #   them in order.
+        unroll = (cfg.scan_unroll or cfg.n_repeats) if (
+            cfg.remat == "none" and jax.process_count() == 1) else 1
 
         # Residual schemes with a rebuildable carry (models/rebuilding.py) skip saving it per layer.
         rebuilds = getattr(residual_cls, "rebuilds", lambda cfg: False)(cfg)

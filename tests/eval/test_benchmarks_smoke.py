@@ -145,7 +145,9 @@ def test_bench_attnres_overhead_toy(tmp_path):
 
 def test_bench_attnres_memory_toy(tmp_path):
     """--memory tabulates compiled gradient temporaries; remat=full (AttnRes rebuilding its depth
-    buffer) needs less than remat=none for the deeper Full AttnRes model."""
+    buffer) needs less than remat=none for the deeper Full AttnRes model, and for the standard
+    residual, also under the preset's unrolled layer scan (model.scan_unroll=0: under remat the
+    layers stay looped, since unrolled XLA kept about what remat=none keeps)."""
     from aiinfra_jax.eval import bench_attnres
 
     assert bench_attnres.main([
@@ -153,12 +155,13 @@ def test_bench_attnres_memory_toy(tmp_path):
         "--set", "model.d_model=32", "--set", "model.n_heads=2", "--set", "model.n_kv_heads=1",
         "--set", "model.n_layers=1", "--set", "model.attnres.n_blocks=2",
         "--deep-set", "model.attnres.n_blocks=4", "--set", "data.seq_len=16",
-        "--set", "data.batch_size=2", "--residuals", "attnres_full",
-        "--out-dir", str(tmp_path)]) == 0
+        "--set", "data.batch_size=2", "--set", "model.scan_unroll=0",
+        "--residuals", "standard,attnres_full", "--out-dir", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "bench_attnres.json").read_text())["memory"]
     mem = {(r["setting"], r["residual"], r["remat"]): r["grad_temp_mib"] for r in rows}
-    assert len(mem) == 4  # {shallow, deep} x {remat none, full}
-    assert mem[("deep L=4", "attnres_full", "full")] < mem[("deep L=4", "attnres_full", "none")]
+    assert len(mem) == 8  # {shallow, deep} x {standard, Full} x {remat none, full}
+    for residual in ("standard", "attnres_full"):
+        assert mem[("deep L=4", residual, "full")] < mem[("deep L=4", residual, "none")], mem
 
 
 def test_bench_moe_quality_parts():
