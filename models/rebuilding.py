@@ -57,18 +57,18 @@ def _with_zero_others(d_floats, primal):
     return merge_split(d_floats, _float0_like(split_inexact(primal)[1]))
 
 
-def rebuilding_scan(body, carry0, xs, extras, *, snapshot, rebuild, unroll: int | bool = 1):
+def rebuilding_scan(body, carry0, xs, extras, *, snapshot, rebuild):
     """jax.lax.scan(body(carry, x, extras) -> (carry, aux)) whose backward does not keep every
     step's carry: the forward saves snapshot(carry) per step (small) and the final carry; the
     backward rebuilds step r's input carry as rebuild(final_carry, snapshot_r), recomputes the
     step under jax.vjp and walks the steps in reverse. Memory O(buffer + steps * snapshot) instead
     of O(steps * buffer), at the cost of recomputing each step's forward (remat="full" pays that
-    anyway). extras (positions, segment ids) get no gradient. unroll: jax.lax.scan's, for the
-    forward and the backward scan alike."""
+    anyway). extras (positions, segment ids) get no gradient. Always looped: under remat an
+    unrolled scan keeps about what no remat keeps (models/transformer.py)."""
 
     @jax.custom_vjp
     def run(carry0, xs, extras):
-        return jax.lax.scan(lambda c, x: body(c, x, extras), carry0, xs, unroll=unroll)
+        return jax.lax.scan(lambda c, x: body(c, x, extras), carry0, xs)
 
     def fwd(carry0, xs, extras):
         def step(c, x):
@@ -76,7 +76,7 @@ def rebuilding_scan(body, carry0, xs, extras, *, snapshot, rebuild, unroll: int 
             c, aux = body(c, x, extras)
             return c, (aux, snap)
 
-        carry, (aux, snaps) = jax.lax.scan(step, carry0, xs, unroll=unroll)
+        carry, (aux, snaps) = jax.lax.scan(step, carry0, xs)
         return (carry, aux), (carry, snaps, xs, extras)
 
     def bwd(res, cts):
@@ -97,7 +97,7 @@ def rebuilding_scan(body, carry0, xs, extras, *, snapshot, rebuild, unroll: int 
             return d_c, d_x
 
         d_c0, d_xs = jax.lax.scan(step, split_inexact(d_final)[0], (xs, snaps, d_aux),
-                                  reverse=True, unroll=unroll)
+                                  reverse=True)
         return _with_zero_others(d_c0, carry0), _with_zero_others(d_xs, xs), None
 
     run.defvjp(fwd, bwd)

@@ -331,10 +331,10 @@ class Transformer(nnx.Module):
                 outputs = pop_outputs(block)
                 return carry, (outputs["losses"], outputs["metrics"])
 
-            carry, (losses, metrics) = rebuilding_scan(
+            carry, (losses, metrics) = rebuilding_scan(  # looped: remat (see unroll above)
                 plain_body, carry, (state, keys), (positions, segment_ids),
                 snapshot=functools.partial(residual_cls.snapshot, cfg),
-                rebuild=functools.partial(rebuild, cfg), unroll=unroll)
+                rebuild=functools.partial(rebuild, cfg))
             stacked = {"losses": losses, "metrics": metrics, "intermediates": {}}
             new_cache = None
         elif cfg.scan_layers and (cache is None or _scans_cached_chunk(cache, tokens)):
