@@ -85,6 +85,7 @@ from aiinfra_jax.models import Transformer
 from aiinfra_jax.models.attention.gated_delta import GatedDeltaConfig
 from aiinfra_jax.models.prefix_cache import prefill_with_snapshots, snapshot_nbytes
 from aiinfra_jax.models.registry import get_mixer
+from aiinfra_jax.steps import abstract_model, init_variables, merge_model
 
 SEGMENT = 1024  # tokens per compiled decode call; checkpoints must be multiples of it
 
@@ -334,15 +335,19 @@ def _cache_bytes(cache, model_cfg) -> tuple[int, int]:
 
 def prefix_memory(config: str, *, tokens: int, every: int, decode: int, settings=PREFIX_SETTINGS,
                   overrides=(), seed: int = 0) -> list[dict]:
-    """Per setting: a freshly initialised model of `config` (bytes do not depend on training)
-    prefills one shared prompt of `tokens` random tokens with a snapshot every `every` tokens
+    """Per setting: a freshly initialised model of `config` (bytes do not depend on training;
+    one initialisation serves every setting) prefills one shared prompt of `tokens` random tokens with a snapshot every `every` tokens
     (models/prefix_cache.prefill_with_snapshots, cache room tokens + decode); the bytes of the
     snapshots (gated-delta layers apart from attention layers) and of one request's live cache."""
-    rows = []
+    rows, variables = [], None
     for setting in settings:
         cfg = load_config(config, [*overrides, *setting_overrides(setting)])
         model_cfg = cfg.model.with_vocab(load_tokenizer(cfg.data.tokenizer).vocab_size)
-        model = Transformer(model_cfg, rngs=nnx.Rngs(seed))
+        if variables is None:
+            model = Transformer(model_cfg, rngs=nnx.Rngs(seed))
+            variables = init_variables(model)
+        else:  # the state settings are run-time fields: the same parameters, no second init
+            model = merge_model(*abstract_model(model_cfg, seed), *variables)
         prompt = np.random.default_rng(seed).integers(1, model_cfg.vocab_size, (1, tokens))
         _, cache, snaps = prefill_with_snapshots(model, prompt, every=every,
                                                  max_len=tokens + decode)

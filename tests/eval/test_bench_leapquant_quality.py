@@ -148,9 +148,11 @@ def test_prefix_mode_counts_snapshot_bytes_per_state_format(tmp_path, capsys):
     and the hybrid's attention layers weigh the same in every format."""
     root = Path(__file__).resolve().parents[2] / "configs"
     out = tmp_path / "prefix.json"
+    # 32 tokens in chunks of 16: one prefill program per setting (a last partial chunk would
+    # compile a second one: 74 -> 35 s for this test on the 2-core CI machine)
     assert bench_leapquant.main(["--prefix", "--prefix-configs",
                                  f"{root / 'gdn_tiny.py'},{root / 'hybrid_tiny.py'}",
-                                 "--prefix-tokens", "40", "--prefix-every", "16",
+                                 "--prefix-tokens", "32", "--prefix-every", "16",
                                  "--prefix-decode", "4", "--set", "model.n_layers=4",
                                  "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
