@@ -86,6 +86,7 @@ class OptimConfig:
                    f"must be a finite number; set optim.{f.name} to a finite value (default "
                    f"{f.default!r})")
         _check(self.lr > 0, "optim.lr", self.lr, "must be > 0")
+        _check(self.eps > 0, "optim.eps", self.eps, "must be > 0 (Adam divides by sqrt(v) + eps)")
         _check(self.schedule in ("cosine", "linear", "constant"), "optim.schedule", self.schedule,
                "valid choices: 'cosine', 'linear', 'constant'")
         _check(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "must be >= 0")
@@ -263,8 +264,9 @@ class RunConfig:
     progress: bool = True
 
     def __post_init__(self):
-        _check(bool(self.name) and "/" not in self.name, "run.name", self.name,
-               "must be a non-empty name without '/'")
+        _check(bool(self.name) and self.name not in (".", "..")
+               and not any(c in self.name for c in "/\\*?[]"), "run.name", self.name,
+               "must be a file name: not empty, '.' or '..', without '/', '\\', '*', '?', '[' or ']'")
         _check(self.steps >= 1, "run.steps", self.steps, "must be >= 1")
         _check(self.log_every >= 1, "run.log_every", self.log_every, "must be >= 1")
         _check(self.resume in ("auto", "never", "require"), "run.resume", self.resume,
@@ -535,6 +537,9 @@ def _coerce(tp, value, key: str, current=None):
     if tp is str:
         if isinstance(value, str):
             return value
+        if isinstance(value, bool):  # YAML 1.1 reads unquoted on/off/yes/no/true/false as bools
+            raise ConfigError(f"{key}={value!r}: expected a string; YAML read an unquoted on/off, "
+                              "yes/no or true/false as a bool: quote it in the file, e.g. 'off'")
         raise ConfigError(f"{key}={value!r}: expected a string")
     if tp is Any:
         return value
@@ -578,14 +583,13 @@ def load_preset(path: str | Path) -> Config:
         module = importlib.util.module_from_spec(spec)
         try:
             spec.loader.exec_module(module)
+            cfg = module.config() if hasattr(module, "config") else getattr(module, "CONFIG", None)
         except SyntaxError as e:
             raise ConfigError(f"config preset {str(path)!r}, line {e.lineno}: Python syntax error "
                               f"({e.msg}); fix the file") from e
-        if hasattr(module, "config"):
-            cfg = module.config()
-        elif hasattr(module, "CONFIG"):
-            cfg = module.CONFIG
-        else:
+        except (ValueError, TypeError) as e:  # a value the config classes refuse (ConfigError too)
+            raise ConfigError(f"config preset {str(path)!r}: {e}; fix the preset") from e
+        if cfg is None:
             raise ConfigError(f"preset {path}: define CONFIG = Config(...) or def config() -> Config")
         if not isinstance(cfg, Config):
             raise ConfigError(f"preset {path}: CONFIG must be an aiinfra_jax.config.Config, got "

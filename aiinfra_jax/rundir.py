@@ -36,10 +36,29 @@ def _is_finished(run_dir: Path) -> bool:
     return (run_dir / "summary.json").exists()
 
 
+def _finished_step(run_dir: Path) -> int | None:
+    """The step a finished run ended at (summary.json), None if unreadable."""
+    try:
+        step = json.loads((run_dir / "summary.json").read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
 def choose_run_dir(cfg: Config) -> tuple[Path, bool]:
-    """(run directory, whether to resume in it), by run.resume; never reuses a finished run."""
+    """(run directory, whether to resume in it), by run.resume; never reuses a finished run (an
+    explicit run.run_dir only to train it past the step it finished at)."""
     if cfg.run.run_dir:
         d = Path(cfg.run.run_dir)
+        if _is_finished(d):
+            done = _finished_step(d)
+            if done is None or cfg.run.steps <= done:
+                raise ConfigError(
+                    f"run.run_dir={str(d)!r} holds a finished run (summary.json"
+                    + (f", step {done}" if done is not None else "") + ") and run.steps="
+                    f"{cfg.run.steps} adds no step to it: nothing is overwritten. Choose another "
+                    "run.run_dir, start from it with checkpoint.initialize_from="
+                    f"{str(d)!r}, or raise run.steps to train it further")
         has_ckpt = any((d / "checkpoints").glob("*")) if (d / "checkpoints").exists() else False
         if cfg.run.resume == "require" and not has_ckpt:
             raise ConfigError(f"run.resume='require' but {d} holds no checkpoint")
@@ -59,7 +78,10 @@ def choose_run_dir(cfg: Config) -> tuple[Path, bool]:
             return newest, True
     if cfg.run.resume == "require":
         raise ConfigError(f"run.resume='require' but no unfinished run named {name!r} with a "
-                          f"checkpoint is in {base}")
+                          f"checkpoint is in {base}" + (
+                              f": the newest of that name, {existing[-1].name}, is finished or "
+                              "has no checkpoint (only the newest is resumed; to resume another, "
+                              "name it with run.run_dir)" if existing else ""))
     if not existing:
         return base / name, False
     last = existing[-1]
@@ -72,7 +94,7 @@ def initialize_from(trainer: Trainer, say, run_dir: Path | None = None
     """(state, data_state) of the checkpoint named by checkpoint.initialize_from (see
     CheckpointConfig). Config differences are allowed where the state keeps its tree, shapes and
     dtypes (checked by the restore) and printed; the data stream goes on only when the data
-    section is unchanged, else it starts at its first batch. A parameters-only source (hf:DIR,
+    section and run.seed are unchanged, else it starts at its first batch. A parameters-only source (hf:DIR,
     params:RUN) goes through aiinfra_jax/surgery.py instead: step 0, a fresh optimizer and data
     stream, and the report of every tensor in run_dir/initialize.json."""
     cfg = trainer.cfg
@@ -101,9 +123,11 @@ def initialize_from(trainer: Trainer, say, run_dir: Path | None = None
     diffs = config_differences(saved, current, ("model", "optim"))
     say(f"initialized from {folder} step {start}; model/optim differences from it: "
         + ("none" if not diffs else "\n" + "\n".join(diffs)))
-    data_diffs = config_differences(saved, current, ("data",))
+    data_diffs = (config_differences(saved, current, ("data",))  # (what the stream depends on)
+                  + config_differences(saved, current, ("run",), only=("run.seed",)))
     if data_diffs:
-        say("the data section differs from the checkpoint's, so the data stream starts at its "
+        say("the data section or run.seed differs from the checkpoint's, so the data stream starts "
+            "at its "
             f"first batch (its data.stages counted from step {start}):\n" + "\n".join(data_diffs))
         data_state = None
     return state, data_state

@@ -49,7 +49,7 @@ import numpy as np
 from aiinfra_jax import sharding as shd
 from aiinfra_jax.checkpoint import Checkpointer, config_differences
 from aiinfra_jax.config import Config, ConfigError, load_config, save_config, to_dict
-from aiinfra_jax.data import StreamsIterator, make_iterator
+from aiinfra_jax.data import StreamsIterator, check_split, make_iterator
 from aiinfra_jax.errors import (EXIT_INTERRUPTED, EXIT_STOPPED, EXIT_USAGE, DiskError,
                                 UserError, add_debug_flag, describe, disk_error, disk_message,
                                 quiet_library_tracebacks)
@@ -89,6 +89,8 @@ def train(cfg: Config, *, hooks: Iterable[TrainHook] | None = None, stop_after: 
     # Opening the data reads every source, so bad data is refused before anything is created.
     train_it = make_iterator(cfg.data, trainer.tokenizer, split="train", seed=cfg.run.seed,
                              streams=trainer.data_streams)
+    if cfg.data.val_fraction > 0:  # the evaluations' split, which would fail steps into the run
+        check_split(cfg.data, "validation", trainer.data_streams)
     say = (lambda *a: None) if quiet or not procs.lead else (lambda *a: print(*a, flush=True))
     with RunLock(run_dir) if procs.lead else contextlib.nullcontext() as lock:
         note = lock.acquire() if procs.lead else None
@@ -110,13 +112,13 @@ def _train_in(trainer: Trainer, hooks, procs: _Processes, stored: Config, run_di
     ckpt = Checkpointer(run_dir / "checkpoints", config=to_dict(stored), keep=cfg.checkpoint.keep,
                         async_save=cfg.checkpoint.async_save)
     state, data_state, resumed = _starting_state(trainer, ckpt, run_dir, resume, stored, say)
-    if procs.lead:  # only now: a resume that the checkpoint refuses leaves config.json alone
-        save_config(stored, run_dir / "config.json")
     step = start_step = int(jax.device_get(state["step"]))
     if data_state is not None:
-        train_it.set_state(data_state)
+        _restore_data_position(train_it, data_state, run_dir, resumed)
     elif step:  # initialize_from with another data section: a fresh stream, whose data.stages
         train_it.start_at(step)  # still follow the steps (not the stream's own batch count)
+    if procs.lead:  # only now: a resume that the checkpoint or the data refuses leaves it alone
+        save_config(stored, run_dir / "config.json")
     if cfg.data.stages:
         say(_stages_line(cfg))
     if cfg.model.stages:
@@ -134,9 +136,9 @@ def _train_in(trainer: Trainer, hooks, procs: _Processes, stored: Config, run_di
         say("data.val_fraction=0: no validation split, so evaluation is skipped")
     bar = (ProgressBar(cfg.run.steps, desc=cfg.run.name)
            if cfg.run.progress and not quiet and procs.lead else None)
-    prefetch = _Prefetcher(train_it)
+    last_data_state = data_state if resumed else train_it.get_state()  # before the prefetch
+    prefetch = _Prefetcher(train_it)  # thread starts reading the iterator
     interval = _Interval()
-    last_data_state = data_state if resumed else train_it.get_state()
     history: list[dict] = []
     stopped_by = None
     failed = False
@@ -156,6 +158,13 @@ def _train_in(trainer: Trainer, hooks, procs: _Processes, stored: Config, run_di
                     _raise_if_not_finite(state, ckpt, run_dir)
                 if due.log:
                     history.append(_log(step, interval, speed, writer, bar))
+                # The checkpoint first: an evaluation or a hook that fails keeps the step, and a
+                # stop (SIGTERM, stop_after) saves and ends without them.
+                if due.checkpoint or due.stop:
+                    ckpt.save(step, state, procs.data_state(last_data_state), force=bool(due.stop))
+                if due.stop:
+                    stopped_by = due.stop
+                    break
                 if due.eval:
                     val = trainer.evaluate(state, jeval, cfg.eval.batches)
                     writer.write(step, {"val/loss": val["loss"], "val/perplexity": val["perplexity"]})
@@ -165,12 +174,8 @@ def _train_in(trainer: Trainer, hooks, procs: _Processes, stored: Config, run_di
                     for hook in due.hooks:
                         writer.write(step, hook(step, model, trainer))
                     interval.restart_clock()
-                if due.checkpoint and not due.stop:
-                    ckpt.save(step, state, procs.data_state(last_data_state))
-                if due.stop:
-                    stopped_by = due.stop
-                    break
-        ckpt.save(step, state, procs.data_state(last_data_state), force=True)
+        if not stopped_by:  # (a stop saved its step above)
+            ckpt.save(step, state, procs.data_state(last_data_state), force=True)
         final = None
         if not stopped_by and can_eval:
             final = trainer.evaluate(state, jeval, cfg.eval.final_batches)
@@ -222,6 +227,10 @@ def _starting_state(trainer: Trainer, ckpt: Checkpointer, run_dir: Path, resume:
         if not resume:
             raise RuntimeError(f"{run_dir} already holds checkpoints but was chosen for a new run")
         state, data_state, saved = ckpt.restore(trainer.abstract_state())
+        at = int(jax.device_get(state["step"]))
+        if at > cfg.run.steps:
+            raise ConfigError(f"{run_dir} resumes at step {at}, past run.steps={cfg.run.steps}: "
+                              f"nothing to train (nothing was changed); set run.steps >= {at}")
         current = to_dict(stored)
         changed = config_differences(saved, current, sorted(set(saved) | set(current)))
         say(f"resumed {run_dir} from step {int(state['step'])}"
@@ -230,10 +239,28 @@ def _starting_state(trainer: Trainer, ckpt: Checkpointer, run_dir: Path, resume:
             + ("; settings changed since that checkpoint:\n" + "\n".join(changed)
                if changed else ""))
         return state, data_state, True
+    if cfg.run.resume == "require":
+        raise ConfigError(f"run.resume='require' but {run_dir / 'checkpoints'} holds no committed "
+                          "checkpoint (none was saved, or only an interrupted save): nothing to "
+                          "resume. Set run.resume=auto to start this run from step 0")
     state, data_state = (initialize_from(trainer, say, run_dir) if cfg.checkpoint.initialize_from
                          else (trainer.init_state(), None))
     say(f"new run in {run_dir}")
     return state, data_state, False
+
+
+def _restore_data_position(train_it, data_state: dict, run_dir: Path, resumed: bool) -> None:
+    """The data stream goes on where the checkpoint left it; a data section (or run.seed) other
+    than the one it was saved with cannot, which is a ConfigError naming the fix."""
+    try:
+        train_it.set_state(data_state)
+    except ValueError as e:
+        where = (f"resume {run_dir} with the data settings and run.seed of its config.json, or "
+                 if resumed else "")
+        raise ConfigError(
+            f"{e}. Fix: {where}start a new run with checkpoint.initialize_from=<that run>, whose "
+            "data stream starts at its first batch when the data section or run.seed differs"
+        ) from e
 
 
 @dataclasses.dataclass(frozen=True)

@@ -227,8 +227,9 @@ class ModelConfig:
                        f"{self.block_size} (mixers={self.mixers}, ffns={self.ffns})")
         for name in ("rope_theta", "norm_eps", "init_std"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                self._fail(name, "must be a positive number")
+            if (not isinstance(value, (int, float)) or isinstance(value, bool)
+                    or not math.isfinite(value) or value <= 0):
+                self._fail(name, "must be a positive finite number")
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in DTYPES:
                 self._fail(name, f"must be one of {DTYPES}")

@@ -16,7 +16,7 @@ _WHERE = {
     "DataConfig": "config",
     "BATCH_KEYS": "pipeline", "DataIterator": "iterators", "StagedIterator": "iterators",
     "StreamsIterator": "iterators",
-    "make_dataset": "pipeline", "make_iterator": "iterators",
+    "check_split": "pipeline", "make_dataset": "pipeline", "make_iterator": "iterators",
     "DocumentSource": "sources", "open_source": "sources", "register_source": "sources",
     "registered_sources": "sources",
     "ByteTokenizer": "tokenizer", "Tokenizer": "tokenizer", "load_tokenizer": "tokenizer",

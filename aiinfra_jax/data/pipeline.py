@@ -260,6 +260,16 @@ def _document_dataset(
     return grain.MapDataset.source(_SplitView(source, indices)).shuffle(seed=_derive_seed(seed, salt, 1))
 
 
+def check_split(cfg: DataConfig, split: str, streams: Sequence[int] = (0,)) -> None:
+    """Raises the DataError that reading ``split`` (of these streams) would raise: an empty split,
+    or one with fewer documents than data.streams. A training run checks its validation split so
+    at start instead of at its first evaluation, steps into the run."""
+    opened = sources_lib.open_sources(cfg)
+    for stream in streams:
+        for i, src in enumerate(opened):
+            _document_dataset(src, cfg, split, 0, i, stream)
+
+
 def _pieces(ds: grain.MapDataset, cfg: DataConfig, tokenizer: Tokenizer,
             whole_rows: bool = False) -> grain.IterDataset:
     read = grain.ReadOptions(num_threads=READ_THREADS, prefetch_buffer_size=READ_BUFFER)

@@ -192,3 +192,31 @@ def test_seq_len_must_hold_a_target_and_fit_max_seq_len():
     cfg = apply_overrides(Config(), ["model.max_seq_len=8192", "data.seq_len=8192"])
     assert cfg.data.seq_len == cfg.model.max_seq_len == 8192
     assert apply_overrides(Config(), ["data.seq_len=2"]).data.seq_len == 2
+
+
+def test_bad_values_the_checks_used_to_miss_are_refused_by_name(tmp_path, capsys):
+    """Non-finite or non-positive model floats, optim.eps <= 0, run names that are not one plain
+    file name, a YAML bool where a string belongs, and a Python preset whose own constructor
+    call is refused (a config error naming the preset, not a traceback)."""
+    for override, match in [("model.init_std=nan", "init_std.*positive finite"),
+                            ("model.rope_theta=inf", "rope_theta.*positive finite"),
+                            ("optim.eps=0", r"optim\.eps=0\.0.*must be > 0"),
+                            ("run.name=.", "run.name='.'.*file name"),
+                            ("run.name=exp[1]", r"run.name='exp\[1\]'.*file name"),
+                            ("run.name=a*", "run.name='a\\*'.*file name")]:
+        with pytest.raises(ValueError, match=match):
+            apply_overrides(Config(), [override])
+    yaml_preset = tmp_path / "off.yaml"
+    yaml_preset.write_text("mesh:\n  distributed: off\n")
+    with pytest.raises(ConfigError, match="mesh.distributed=False.*quote it.*'off'"):
+        load_preset(yaml_preset)
+    yaml_preset.write_text("mesh:\n  distributed: 'off'\n")
+    assert load_preset(yaml_preset).mesh.distributed == "off"
+    py_preset = tmp_path / "bad_heads.py"
+    py_preset.write_text("from aiinfra_jax.config import Config\nfrom aiinfra_jax.models import "
+                         "ModelConfig\nCONFIG = Config(model=ModelConfig(n_heads=3))\n")
+    with pytest.raises(ConfigError, match=r"config preset '.*bad_heads.py'.*n_heads.*fix the preset"):
+        load_preset(py_preset)
+    assert main(["--config", str(py_preset), "--print-config"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bad_heads.py" in err[0], err

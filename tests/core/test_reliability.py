@@ -11,6 +11,7 @@ import textwrap
 
 import pytest
 
+from aiinfra_jax.config import ConfigError
 from aiinfra_jax.errors import RunLockedError
 from aiinfra_jax.eval import perplexity
 from aiinfra_jax.train import NonFiniteError, main, train
@@ -71,9 +72,56 @@ def test_a_refused_resume_keeps_config_json_and_an_allowed_change_is_said(tmp_pa
     assert json.loads((run_dir / "config.json").read_text())["optim"]["lr"] == 1e-3
 
 
+class _FailingHook:
+    """An in-loop hook that fails when called (an evaluation that crashes)."""
+
+    name, every = "failing", 2
+
+    def check(self, trainer):
+        pass
+
+    def __call__(self, step, model, trainer):
+        raise RuntimeError(f"hook failed at step {step}")
+
+
+def test_a_failed_hook_keeps_its_steps_checkpoint_and_refused_resumes_change_nothing(tmp_path):
+    """The checkpoint of a step is saved before that step's evaluation and hooks; a resume that
+    the data stream (data section, run.seed) refuses, one past run.steps, one of a finished run
+    and run.resume=require without a committed checkpoint are config errors that leave config.json,
+    summary.json and the checkpoints as they were."""
+    run_dir = tmp_path / "r"
+    base = ["run.steps=3", f"run.run_dir={run_dir}", "checkpoint.every=2"]
+    with pytest.raises(RuntimeError, match="hook failed at step 2"):
+        train(tiny(tmp_path, *base), hooks=[_FailingHook()], quiet=True)
+    steps = lambda: sorted(p.name for p in (run_dir / "checkpoints").iterdir())  # noqa: E731
+    assert steps() == ["2"]
+    config = (run_dir / "config.json").read_text()
+    with pytest.raises(ConfigError, match=r"saved with a different data setup.*Fix: resume"):
+        train(tiny(tmp_path, *base, "data.batch_size=4", "optim.grad_accum=1"), quiet=True)
+    with pytest.raises(ConfigError, match="seed: saved 0, now 7"):
+        train(tiny(tmp_path, *base, "run.seed=7"), quiet=True)
+    with pytest.raises(ConfigError, match="resumes at step 2, past run.steps=1"):
+        train(tiny(tmp_path, *base[1:], "run.steps=1"), quiet=True)
+    assert (run_dir / "config.json").read_text() == config and steps() == ["2"]
+    assert train(tiny(tmp_path, *base), quiet=True)["finished"]
+    summary = (run_dir / "summary.json").read_text()
+    with pytest.raises(ConfigError, match="holds a finished run .summary.json, step 3.*"
+                                          "raise run.steps"):
+        train(tiny(tmp_path, *base, "optim.lr=0.5"), quiet=True)
+    assert (run_dir / "summary.json").read_text() == summary
+    assert json.loads((run_dir / "config.json").read_text())["optim"]["lr"] != 0.5
+    interrupted = tmp_path / "q"  # an interrupted save only: nothing to resume
+    (interrupted / "checkpoints" / "4.orbax-checkpoint-tmp-1").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="run.resume='require' but .* holds no committed"):
+        train(tiny(tmp_path, "run.steps=3", f"run.run_dir={interrupted}", "run.resume=require"),
+              quiet=True)
+
+
 BAD_DATA = {
     "missing.jsonl": None,
     "empty.jsonl": "",
+    # its one document hashes into the train split: no validation split for evaluations
+    "one_document.jsonl": '{"text": "one document of a few words"}\n',
     "no_field.jsonl": '{"text": "a b c"}\n{"body": "x"}\n',
     "malformed.jsonl": '{"text": "a b c"}\n{"text": \n',
     "binary.txt": bytes(range(256)) * 8,

@@ -128,6 +128,11 @@ def test_initialize_from_goes_on_from_another_runs_checkpoint(tmp_path, capsys):
     train(tiny(tmp_path / "d", *common, "model.init_std=0.05",
                f"checkpoint.initialize_from={source / 'checkpoints' / '4'}"))
     assert "model.init_std: checkpoint 0.02, current 0.05" in capsys.readouterr().out
+    # Another run.seed: the same state, a fresh data stream (its position cannot carry over).
+    seeded = train(tiny(tmp_path / "h", *common, "run.seed=7",
+                        f"checkpoint.initialize_from={source}"))
+    assert seeded["finished"] and seeded["start_step"] == 4
+    assert "run.seed: checkpoint 0, current 7" in capsys.readouterr().out
     with pytest.raises(Exception, match="d_model|shape"):  # shapes differ: refused
         train(tiny(tmp_path / "e", *common, "model.d_model=64",
                    f"checkpoint.initialize_from={source}"), quiet=True)
