@@ -48,7 +48,8 @@ import numpy as np
 
 from aiinfra_jax import sharding as shd
 from aiinfra_jax.checkpoint import Checkpointer, config_differences
-from aiinfra_jax.config import Config, ConfigError, load_config, save_config, to_dict
+from aiinfra_jax.config import (Config, ConfigError, from_dict, load_config, save_config,
+                                to_dict)
 from aiinfra_jax.data import StreamsIterator, check_split, make_iterator
 from aiinfra_jax.errors import (EXIT_INTERRUPTED, EXIT_STOPPED, EXIT_USAGE, DiskError,
                                 UserError, add_debug_flag, describe, disk_error, disk_message,
@@ -237,7 +238,7 @@ def _starting_state(trainer: Trainer, ckpt: Checkpointer, run_dir: Path, resume:
             + (" (its own checkpoint; checkpoint.initialize_from is not read again)"
                if cfg.checkpoint.initialize_from else "")
             + ("; settings changed since that checkpoint:\n" + "\n".join(changed)
-               if changed else ""))
+               if changed else "") + _lr_change(saved, cfg, at))
         return state, data_state, True
     if cfg.run.resume == "require":
         raise ConfigError(f"run.resume='require' but {run_dir / 'checkpoints'} holds no committed "
@@ -247,6 +248,20 @@ def _starting_state(trainer: Trainer, ckpt: Checkpointer, run_dir: Path, resume:
                          else (trainer.init_state(), None))
     say(f"new run in {run_dir}")
     return state, data_state, False
+
+
+def _lr_change(saved: dict, cfg: Config, step: int) -> str:
+    """A line naming the learning-rate jump at the resumed step when the schedule's settings
+    (optim.*, run.steps: a decay over run.steps stretches with it) changed, else ""."""
+    try:
+        before = lr_schedule(from_dict(saved).optim, int(saved["run"]["steps"]))(step)
+    except (ValueError, TypeError, KeyError):  # a config the current code cannot rebuild
+        return ""
+    now = lr_schedule(cfg.optim, cfg.run.steps)(step)
+    if math.isclose(float(before), float(now), rel_tol=1e-6):
+        return ""
+    return (f"\nthe learning rate at step {step} is {float(now):.3g} under these settings, "
+            f"{float(before):.3g} under the checkpoint's")
 
 
 def _restore_data_position(train_it, data_state: dict, run_dir: Path, resumed: bool) -> None:

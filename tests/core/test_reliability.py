@@ -69,6 +69,9 @@ def test_a_refused_resume_keeps_config_json_and_an_allowed_change_is_said(tmp_pa
     out = capsys.readouterr().out
     assert "settings changed since that checkpoint:\n  optim.lr: checkpoint 0.003, current 0.001" \
         in out
+    # step 1 of a 2-step warmup: 3/4 of the peak
+    assert "the learning rate at step 1 is 0.00075 under these settings, 0.00225 under the " \
+        "checkpoint's" in out
     assert json.loads((run_dir / "config.json").read_text())["optim"]["lr"] == 1e-3
 
 
