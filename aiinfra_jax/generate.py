@@ -45,8 +45,8 @@ class GenerateResult:
 
 # Sampling -----------------------------------------------------------------------------------------
 def _check_sampling(temperature: float, top_p: float) -> None:
-    if not temperature >= 0:
-        raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+    if not 0 <= temperature < float("inf"):
+        raise ValueError(f"temperature={temperature} must be finite and >= 0 (0 = greedy)")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p={top_p} must be in (0, 1]")
 
@@ -65,14 +65,16 @@ def sample(logits: jax.Array, rng: jax.Array | None, temperature: float = 0.0,
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if rng is None:
         raise ValueError("sample: temperature > 0 needs an rng key")
-    scaled = logits / temperature
+    # The max subtracted first: at a tiny temperature the best logit stays 0 (not -inf with the
+    # rest), so sampling tends to the argmax.
+    scaled = (logits - jnp.max(logits, axis=-1, keepdims=True)) / temperature
     if top_p < 1.0:
-        sorted_desc = -jnp.sort(-scaled, axis=-1)
-        probs = jax.nn.softmax(sorted_desc, axis=-1)
+        order = jnp.argsort(-scaled, axis=-1)  # by rank, so tokens tied at the edge are not all in
+        probs = jax.nn.softmax(jnp.take_along_axis(scaled, order, axis=-1), axis=-1)
         mass_before = jnp.cumsum(probs, axis=-1) - probs
-        keep = mass_before < top_p  # the most likely token is always kept
-        threshold = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-        scaled = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+        keep_sorted = mass_before < top_p  # the most likely token is always kept
+        keep = jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), axis=-1)
+        scaled = jnp.where(keep, scaled, -jnp.inf)
     return jax.random.categorical(rng, scaled, axis=-1).astype(jnp.int32)
 
 
@@ -97,6 +99,9 @@ def run_prefill(graphdef, state, tokens_bt, lengths_b, max_len: int, chunk: int)
     def run_chunk(cache, last_b1d, start, tokens_bc):
         positions = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (batch, chunk))
         segment_ids = (positions < lengths_b[:, None]).astype(jnp.int32)
+        # Padding ids may be anything (an id past the vocabulary embeds as NaN, which the masked
+        # attention's products would spread): token 0 in their place.
+        tokens_bc = jnp.where(segment_ids != 0, tokens_bc, 0)
         x, cache, _ = model.features(tokens_bc, positions=positions, segment_ids=segment_ids,
                                      cache=cache)
         # Keep the hidden state of each row's last prompt token once its chunk is reached.
@@ -155,6 +160,13 @@ def prefill(model: nnx.Module, tokens: jax.Array, lengths: jax.Array, max_len: i
     seq = tokens.shape[1]
     if max_len < seq:
         raise ValueError(f"prefill: max_len={max_len} is shorter than the prompts ({seq} tokens)")
+    try:
+        known = np.asarray(lengths)
+    except jax.errors.TracerArrayConversionError:  # prefill traced inside a caller's jit
+        known = None
+    if known is not None and known.size and (known.min() < 1 or known.max() > seq):
+        raise ValueError(f"prefill: lengths must be in [1, {seq}] (the prompts' width), got "
+                         f"{known.tolist()}")
     if chunk_size is None or chunk_size >= seq:
         chunk = seq
     elif chunk_size < 1:
@@ -234,10 +246,13 @@ def generate(model: nnx.Module,
              prompts: Sequence[Sequence[int]] | tuple[jax.Array, jax.Array], *,
              max_new_tokens: int, rng: jax.Array | None = None, temperature: float = 0.0,
              top_p: float = 1.0, eos_id: int | None = None, pad_id: int = 0,
-             prefill_chunk: int | None = None) -> GenerateResult:
+             prefill_chunk: int | None = None, vocab: int | None = None) -> GenerateResult:
     """Generates up to max_new_tokens per prompt; a row stops after emitting eos_id.
 
     prompts: a list of token lists, or (tokens [B,T] right-padded, lengths [B]).
+    vocab: generate ids < vocab only; pass the tokenizer's vocab_size when the model's vocabulary
+    is padded past it (ModelConfig.with_vocab rounds it up), else sampling can pick an id the
+    tokenizer cannot decode. None = every id of the model.
     Batched prefill in one jitted call, then a jitted lax.while_loop of decode steps that ends when
     every row has stopped. Sampling: see `sample` (temperature 0 = greedy; rng needed otherwise).
     """
@@ -262,6 +277,9 @@ def generate(model: nnx.Module,
         if valid.min() < 0 or valid.max() >= cfg.vocab_size:
             raise ValueError(f"generate: prompt token ids must be in [0, {cfg.vocab_size}), got "
                              f"range [{valid.min()}, {valid.max()}]")
+        if vocab is not None and not 1 <= vocab <= cfg.vocab_size:
+            raise ValueError(f"generate: vocab={vocab} must be in [1, {cfg.vocab_size}] (the "
+                             "model's vocabulary)")
         for name, tok in (("eos_id", eos_id), ("pad_id", pad_id)):
             if tok is not None and not 0 <= tok < cfg.vocab_size:
                 raise ValueError(f"generate: {name}={tok} is outside the vocabulary "
@@ -276,5 +294,5 @@ def generate(model: nnx.Module,
     graphdef, state = nnx.split(model)
     out, n_out, done = decode_loop(graphdef, state, cache, first_logits, lengths_j,
                                     max_new_tokens, float(temperature), float(top_p), eos_id,
-                                    int(pad_id), rng)
+                                    int(pad_id), rng, vocab=None if vocab is None else int(vocab))
     return GenerateResult(tokens=out, lengths=n_out, finished=done, prompt_lengths=lengths_j)

@@ -96,6 +96,16 @@ def test_greedy_generation_and_eos():
     out2 = generate(model, (jnp.asarray(tokens), jnp.asarray(LENGTHS)), max_new_tokens=N_NEW)
     np.testing.assert_array_equal(out2.tokens, out.tokens)
 
+    # Padding ids past the vocabulary (they embedded as NaN, whose masked products turned the
+    # padded rows' logits to NaN and their tokens to 0) change nothing.
+    far = np.where(np.arange(LENGTHS.max())[None] < LENGTHS[:, None], full[:, :6], 10_000)
+    out_far = generate(model, (jnp.asarray(far), jnp.asarray(LENGTHS)), max_new_tokens=N_NEW)
+    np.testing.assert_array_equal(out_far.tokens, out.tokens)
+    # vocab: sampling stays below a tokenizer's vocabulary when the model's is padded past it
+    hot = generate(model, prompts, max_new_tokens=N_NEW, temperature=5.0, rng=jax.random.key(0),
+                   vocab=7)
+    assert int(np.max(hot.tokens)) < 7
+
     # eos: the second token generated for row 0 ends that row; others stop at their first eos.
     eos = expected[0][1]
     out3 = generate(model, prompts, max_new_tokens=N_NEW, eos_id=eos, pad_id=95)
@@ -127,6 +137,14 @@ def test_sample_distribution_and_nucleus():
     freq = np.bincount(draws, minlength=4) / 4000
     assert freq[2] == 0 and freq[3] == 0
     np.testing.assert_allclose(freq[:2], [0.625, 0.375], atol=0.03)
+    # Tokens tied at the nucleus' edge: only as many as reach top_p (0.5 + 0.25 >= 0.6), not both.
+    tied = jnp.broadcast_to(jnp.log(jnp.asarray([0.5, 0.25, 0.25], jnp.float32)), (4000, 3))
+    freq = np.bincount(np.asarray(sample(tied, jax.random.key(6), 1.0, top_p=0.6)),
+                       minlength=3) / 4000
+    assert min(freq[1], freq[2]) == 0 and max(freq[1], freq[2]) > 0.25, freq
+    # A tiny temperature is the argmax, also when every logit is negative (all were -inf).
+    neg = jnp.asarray([[-3.0, -1.0, -2.0, -5.0]])
+    assert int(sample(neg, jax.random.key(7), 1e-45)[0]) == 1
     # A high temperature flattens the distribution.
     draws = np.asarray(sample(logits, jax.random.key(5), 100.0))
     np.testing.assert_allclose(np.bincount(draws, minlength=4) / 4000, 0.25, atol=0.03)
@@ -144,6 +162,13 @@ def test_bad_requests_fail_clearly():
         generate(model, [[1, CFG.vocab_size]], max_new_tokens=2)
     with pytest.raises(ValueError, match="top_p"):
         sample(jnp.zeros((1, 4)), jax.random.key(0), 1.0, top_p=0.0)
+    with pytest.raises(ValueError, match="temperature=inf must be finite"):
+        generate(model, [[1, 2]], max_new_tokens=2, temperature=float("inf"),
+                 rng=jax.random.key(0))
+    with pytest.raises(ValueError, match="vocab=97 must be in"):
+        generate(model, [[1, 2]], max_new_tokens=2, vocab=CFG.vocab_size + 1)
+    with pytest.raises(ValueError, match=r"prefill: lengths must be in \[1, 2\].*\[0, 3\]"):
+        prefill(model, jnp.ones((2, 2), jnp.int32), jnp.asarray([0, 3]), 8)
 
 
 def test_chunked_prefill_matches_one_shot_prefill():
