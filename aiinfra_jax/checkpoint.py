@@ -104,6 +104,7 @@ __all__ = [
     "CorruptCheckpointError",
     "IncompatibleCheckpointError",
     "NoCheckpointError",
+    "RestoreError",
     "check_compatible",
     "config_differences",
 ]
@@ -127,6 +128,11 @@ _STEP_RE = re.compile(r"^(0|[1-9]\d*)$")
 
 class CorruptCheckpointError(UserError, RuntimeError):
     """A committed checkpoint cannot be read (missing or damaged files)."""
+
+
+class RestoreError(UserError, RuntimeError):
+    """An intact checkpoint (read back and verified) that could not be restored into the arrays
+    asked for: a mesh or sharding that does not fit, or memory. Nothing is wrong with its files."""
 
 
 class NoCheckpointError(UserError, FileNotFoundError, ValueError):
@@ -436,6 +442,24 @@ class Checkpointer:
                    "training starts again (or point at another run's checkpoints)")
         return CorruptCheckpointError(f"{head}\n{report}\nFix: {fix}.")
 
+    def _restore_failure(self, step: int, what: str, err: BaseException) -> UserError:
+        """The error for a restore of ``step`` that raised ``err``: a CorruptCheckpointError when
+        the step's files fail when read back on the host, else a RestoreError (the files are
+        fine; the arrays asked for, e.g. their sharding, or the memory are not), which never
+        advises moving the checkpoint away."""
+        status, why = self._verify_on_host(step)
+        if status in ("bad", "unreadable"):
+            return self._corrupt(step, what, err)
+        text = str(err).split(" [tensorstore_spec", 1)[0].strip()
+        checked = ("read back and its checksums verified just now" if status == "good" else
+                   "read back just now; it has no checksums")
+        return RestoreError(
+            f"checkpoint step {step} at {self._step_dir(step)} is intact ({checked}), but "
+            f"restoring it into this run's arrays failed: {type(err).__name__}: {text[:400]}"
+            f"{'...' if len(text) > 400 else ''}. Its files are fine: keep them. Usual causes: a "
+            "mesh whose axis does not divide an array's dimension (change mesh.* or the model "
+            "sizes), or too little device/host memory")
+
     def _other_statuses(self, step: int) -> dict[int, tuple[str, str]]:
         """{other committed step: (status, what is wrong)} after reading each back and checking it
         (``_verify_on_host``; this runs only when a step is refused)."""
@@ -651,7 +675,7 @@ class Checkpointer:
                 ),
             )
         except Exception as e:
-            raise self._corrupt(step, "cannot read its 'state' or 'data' item", e) from e
+            raise self._restore_failure(step, "cannot read its 'state' or 'data' item", e) from e
         data_item = restored[_ITEM_DATA]
         if not isinstance(data_item, dict) or "data_state" not in data_item:
             raise self._corrupt(step, "its 'data' item has no 'data_state' entry")
@@ -681,7 +705,7 @@ class Checkpointer:
                     args=ocp.args.PyTreeRestore(wanted, restore_args=restore_args,
                                                 partial_restore=True))
         except Exception as e:
-            raise self._corrupt(step, "cannot read its 'state' item", e) from e
+            raise self._restore_failure(step, "cannot read its 'state' item", e) from e
         if checksums is not None:
             self._verify_restored(step, subtree, checksums)
         logger.info("restored %s of checkpoint step %d from %s", sorted(wanted), step,

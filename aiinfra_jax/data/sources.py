@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import sysconfig
@@ -34,6 +35,9 @@ SPLITS = ("train", "validation")
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".text", ".markdown", ".c", ".h", ".cc", ".cpp", ".js", ".ts", ".html", ".tex")
 JSONL_SUFFIXES = (".jsonl",)
 PARQUET_SUFFIXES = (".parquet",)
+COMPRESSED_SUFFIXES = (".gz", ".zst", ".bz2", ".xz", ".zip", ".lz4")
+
+logger = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -337,7 +341,10 @@ def _read_parquet_column(path: str, field: str) -> Any:
         raise DataError(
             f"data file {path!r}: no column {field!r} (columns: {schema.names}); set DataConfig.text_field"
         )
-    column = pq.read_table(path, columns=[field], memory_map=True).column(field).combine_chunks()
+    column = pq.read_table(path, columns=[field], memory_map=True).column(field)
+    if pa.types.is_string(column.type):  # 64-bit offsets: a column may hold more than 2 GiB of text
+        column = column.cast(pa.large_string())
+    column = column.combine_chunks()
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
         raise DataError(
             f"data file {path!r}: column {field!r} holds {column.type} values, expected strings; "
@@ -353,6 +360,9 @@ def _read_parquet_column(path: str, field: str) -> Any:
 
 def _kind(path: str, explicit: bool) -> str | None:
     lower = path.lower()
+    if lower.endswith(COMPRESSED_SUFFIXES):
+        raise DataError(f"data file {path!r} is compressed; decompress it (e.g. gunzip / zstd -d): "
+                        "text, JSONL and Parquet files are read as they are")
     if lower.endswith(JSONL_SUFFIXES):
         return "jsonl"
     if lower.endswith(PARQUET_SUFFIXES):
@@ -369,23 +379,31 @@ def open_local(path: str, text_field: str) -> LocalDocuments:
     if os.path.isfile(path):
         files = [(os.path.basename(path), path, _kind(path, explicit=True))]
     else:
-        files, skipped = [], 0
-        for folder, dirs, names in os.walk(path):
-            dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
+        files, skipped, seen = [], [], set()
+        # Symlinked subfolders are followed (a corpus assembled from links), each real folder once.
+        for folder, dirs, names in os.walk(path, followlinks=True):
+            seen.add(os.path.realpath(folder))
+            dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__"
+                             and os.path.realpath(os.path.join(folder, d)) not in seen)
             for n in sorted(names):
                 if n.startswith("."):
                     continue
                 full = os.path.join(folder, n)
-                kind = _kind(n, explicit=False)
+                rel = os.path.relpath(full, path).replace(os.sep, "/")
+                kind = _kind(full, explicit=False)
                 if kind is None:
-                    skipped += 1
+                    skipped.append(rel)
                     continue
-                files.append((os.path.relpath(full, path).replace(os.sep, "/"), full, kind))
+                files.append((rel, full, kind))
+        expected = (f"text ({', '.join(TEXT_SUFFIXES)}), JSONL (.jsonl) or Parquet (.parquet) "
+                    "files")
         if not files:
-            raise DataError(
-                f"data source {path!r}: no matching files ({skipped} other files); expected text "
-                f"({', '.join(TEXT_SUFFIXES)}), JSONL (.jsonl) or Parquet (.parquet) files"
-            )
+            raise DataError(f"data source {path!r}: no matching files ({len(skipped)} other "
+                            f"files); expected {expected}")
+        if skipped:  # said, never silent: a folder may hold a LICENSE or a .csv beside its data
+            logger.warning("data source %r: %d files are not read (not %s): %s%s", path,
+                           len(skipped), expected, ", ".join(skipped[:5]),
+                           ", ..." if len(skipped) > 5 else "")
         files.sort()
 
     entries: list[tuple[str, str, Any]] = []

@@ -110,6 +110,14 @@ class HFTokenizer:
             ) from e
         self.path = path
         self._tok = tokenizers.Tokenizer.from_file(path)
+        # A tokenizer.json may carry the truncation / padding of the model it was saved for
+        # (BERT-style files: truncation at 512): documents are packed whole here, never cut or
+        # padded by the tokenizer. And a special token's text inside a document ("</s>" in web
+        # text) stays text, as tiktoken's encode_ordinary keeps it: BOS/EOS come from the pipeline.
+        self._tok.no_truncation()
+        self._tok.no_padding()
+        if hasattr(self._tok, "encode_special_tokens"):  # tokenizers >= 0.15
+            self._tok.encode_special_tokens = True
         vocab = self._tok.get_vocab(with_added_tokens=True)
 
         def find(names: tuple[str, ...], what: str, required: bool) -> int | None:

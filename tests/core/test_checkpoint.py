@@ -19,6 +19,7 @@ from aiinfra_jax.checkpoint import (
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     NoCheckpointError,
+    RestoreError,
     check_compatible,
 )
 
@@ -210,6 +211,26 @@ def test_corrupt_checkpoint_names_step_and_fix(tmp_path, mesh):
     with Checkpointer(tmp_path, config=CONFIG) as ckpt:
         with pytest.raises(CorruptCheckpointError, match=r"step 1 .*config"):
             ckpt.restore(abstract_of(state), step=1)
+
+
+def test_an_intact_step_that_does_not_fit_the_mesh_is_not_called_corrupt(tmp_path, mesh):
+    """A restore that fails for the arrays asked for (a dimension the mesh axis does not divide),
+    not for the files: a RestoreError saying the files are fine, never "move it away"."""
+    state = {"w": jnp.arange(6.0)}
+    with Checkpointer(tmp_path, config=CONFIG, async_save=False) as ckpt:
+        ckpt.save(1, state, None)
+    abstract = {"w": jax.ShapeDtypeStruct((6,), jnp.float32,
+                                          sharding=NamedSharding(mesh, P("data")))}  # 6 over 4
+    with Checkpointer(tmp_path, config=CONFIG) as ckpt:
+        with pytest.raises(RestoreError, match=r"step 1 .* is intact \(read back and its "
+                                               r"checksums verified just now\).*keep them") as err:
+            ckpt.restore(abstract)
+        assert "move" not in str(err.value)
+        with pytest.raises(RestoreError, match="is intact"):
+            ckpt.restore_subtree(abstract)
+        restored, _ = ckpt.restore_subtree(
+            {"w": jax.ShapeDtypeStruct((6,), jnp.float32, sharding=NamedSharding(mesh, P()))})
+        np.testing.assert_array_equal(restored["w"], np.arange(6.0))
 
 
 def test_incompatible_config_lists_differing_keys(tmp_path, mesh):

@@ -56,7 +56,7 @@ def test_split_is_a_stable_hash():
     assert float(out.stdout) == S.split_fraction("os.py")
 
 
-def test_local_text_jsonl_parquet(tmp_path):
+def test_local_text_jsonl_parquet(tmp_path, caplog):
     rng = np.random.default_rng()
     texts = [_words(rng, int(rng.integers(1, 80))) for _ in range(6)]
     folder = tmp_path / "corpus"
@@ -73,7 +73,9 @@ def test_local_text_jsonl_parquet(tmp_path):
 
     pq.write_table(pa.table({"body": texts[4:6], "n": [1, 2]}), folder / "d.parquet")
 
-    src = S.open_source(str(folder), DataConfig(text_field="body"))
+    with caplog.at_level("WARNING"):
+        src = S.open_source(str(folder), DataConfig(text_field="body"))
+    assert "1 files are not read" in caplog.text and "ignored.bin" in caplog.text
     assert len(src) == 6
     got = {src.doc_id(i): src[i] for i in range(len(src))}
     assert got == {
@@ -84,6 +86,18 @@ def test_local_text_jsonl_parquet(tmp_path):
         "d.parquet:1": texts[5],
         "sub/b.md": texts[1],
     }
+    # A symlinked subfolder is read (a link back up is not followed twice).
+    linked = tmp_path / "elsewhere"
+    linked.mkdir()
+    (linked / "w.txt").write_text(texts[0], encoding="utf-8")
+    (folder / "wiki").symlink_to(linked, target_is_directory=True)
+    (folder / "sub" / "up").symlink_to(folder, target_is_directory=True)
+    assert S.open_source(str(folder), DataConfig(text_field="body")).doc_id(6) == "wiki/w.txt"
+    # A compressed file is named, in a folder or alone.
+    (folder / "e.jsonl.gz").write_bytes(b"\x1f\x8b")
+    for path in (folder, folder / "e.jsonl.gz"):
+        with pytest.raises(ValueError, match=r"e.jsonl.gz' is compressed; decompress it"):
+            S.open_source(str(path), DataConfig(text_field="body"))
     # A single file named explicitly is read whatever its suffix.
     single = tmp_path / "notes.log"
     single.write_text(texts[0], encoding="utf-8")

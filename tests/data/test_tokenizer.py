@@ -121,3 +121,14 @@ def test_hf_tokenizer_round_trip_when_installed(tmp_path):
     text = _random_text(np.random.default_rng(), 50)
     assert tok.decode([tok.bos_id] + tok.encode(text) + [tok.eos_id]) == text
     assert pickle.loads(pickle.dumps(tok)).encode(text) == tok.encode(text)
+    # A file saved with the truncation and padding of a model (BERT-style files truncate at 512)
+    # neither cuts nor pads a document; a special token's text inside one stays text.
+    hf.enable_truncation(max_length=8)
+    hf.enable_padding(length=12, pad_id=0, pad_token="<pad>")
+    hf.save(path)
+    tok = load_tokenizer(path)
+    long_text = "def return import class " * 5
+    ids = tok.encode(long_text)
+    assert len(ids) > 12 and tok.pad_id not in ids and tok.decode(ids) == long_text
+    inner = tok.encode("ab</s>cd")
+    assert tok.eos_id not in inner and tok.decode(inner) == "ab</s>cd"
