@@ -134,7 +134,8 @@ def transplant(cfg: ModelConfig, fresh: Mapping[str, np.ndarray], source: Source
 
     out, used = {}, set()
     report: dict[str, Any] = {"source": source.where, "adapted": {}, "copied": {},
-                              "initialised": [], "unused": [], "not_adapted": not_adapted}
+                              "initialised": [], "unused": [], "not_adapted": not_adapted,
+                              "differs": _silent_differences(cfg, src_cfg)}
     for name, init in fresh.items():
         dtype = np.dtype(init.dtype)
         if name in adapted:
@@ -161,6 +162,18 @@ def transplant(cfg: ModelConfig, fresh: Mapping[str, np.ndarray], source: Source
         raise ConfigError(f"checkpoint.initialize_from: no tensor of {source.where} fits this "
                           "model (no shared names); is it the model you meant?")
     return out, report
+
+
+# Settings that change what the same tensors compute, with no tensor to show it.
+_SILENT_KEYS = ("rope_theta", "norm_eps", "tie_embeddings")
+
+
+def _silent_differences(cfg: ModelConfig, src_cfg: ModelConfig) -> dict[str, list]:
+    """{model.KEY: [source value, this model's value]} for _SILENT_KEYS that differ (a longer
+    RoPE base for context extension is a choice; a default left in place by mistake is not: the
+    report names both)."""
+    return {f"model.{k}": [getattr(src_cfg, k), getattr(cfg, k)] for k in _SILENT_KEYS
+            if getattr(src_cfg, k) != getattr(cfg, k)}
 
 
 def _grouped(names) -> list[str]:
@@ -195,6 +208,11 @@ def summary(report: Mapping[str, Any]) -> str:
         if report[key]:
             lines.append(f"  {label}: {', '.join(_grouped(report[key]))}")
     lines += [f"  not adapted: {name}: {why}" for name, why in report["not_adapted"].items()]
+    for key, (theirs, ours) in report.get("differs", {}).items():
+        lines.append(f"  NOTE {key}: the source was trained with {theirs!r}, this model runs "
+                     f"{ours!r} (set {key}={theirs!r} to keep the source's behaviour)"
+                     + ("; its head is the embedding, so this model's head.kernel starts random"
+                        if key == "model.tie_embeddings" and theirs else ""))
     return "\n".join(lines)
 
 

@@ -89,10 +89,26 @@ def test_more_layers_and_tensors_that_do_not_fit():
     with pytest.raises(ConfigError, match=r"'embed.table' is float32\[64, 32\].*\[128, 32\].*"
                                           "data.tokenizer"):
         surgery.transplant(other, _random(other, 1), src)
+    # Settings that change what the same tensors compute are named in the report.
+    assert report_differs_nothing(src, deeper)
+    llama = dataclasses.replace(dense, rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=True)
+    tied = {k: v for k, v in _random(llama, 0).items() if k != "head.kernel"}
+    _, report = surgery.transplant(dense, _random(dense, 1), surgery.Source(tied, llama, "llama"))
+    assert report["differs"] == {"model.rope_theta": [500000.0, 10000.0],
+                                 "model.norm_eps": [1e-5, 1e-6],
+                                 "model.tie_embeddings": [True, False]}
+    text = surgery.summary(report)
+    assert "NOTE model.rope_theta: the source was trained with 500000.0, this model runs " \
+        "10000.0 (set model.rope_theta=500000.0" in text
+    assert "its head is the embedding, so this model's head.kernel starts random" in text
     # Nothing shared at all.
     alien = surgery.Source({"x": np.zeros(3, np.float32)}, dense, "alien")
     with pytest.raises(ConfigError, match="no tensor of alien fits"):
         surgery.transplant(dense, _random(dense, 1), alien)
+
+
+def report_differs_nothing(src, cfg) -> bool:
+    return surgery.transplant(cfg, _random(cfg, 1), src)[1]["differs"] == {}
 
 
 def test_dense_to_msa_and_attnres_copies_by_name():
