@@ -101,6 +101,9 @@ def unsupported_parts(cfg: ModelConfig) -> list[str]:
     if cfg.short_conv:
         parts.append(f"model.short_conv={cfg.short_conv}: a short convolution before each mixer "
                      "(Llama has none)")
+    if cfg.dense.qk_norm and cfg.dense.qkv_bias:
+        parts.append("model.dense.qk_norm and model.dense.qkv_bias together (Qwen3 has q/k "
+                     "norms; its attention_bias would also put a bias on o_proj, which we lack)")
     return parts
 
 
@@ -258,7 +261,7 @@ def hf_config(cfg: ModelConfig, *, bos_id: int | None, eos_id: int | None,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "attention_bias": model_type == "qwen3" and cfg.dense.qkv_bias,
+        "attention_bias": False,  # (qk_norm with qkv_bias is refused: unsupported_parts)
         "attention_dropout": 0.0,
         "mlp_bias": False,
         "pretraining_tp": 1,

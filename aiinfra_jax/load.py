@@ -53,10 +53,10 @@ def checkpoint_source(spec: str | Path, what: str = "source") -> tuple[Path, int
     folder, or one step folder (runs/NAME/checkpoints/400); `what` names the setting in errors."""
     path = Path(spec).expanduser()
     step = None
-    if path.name.isdigit() and path.is_dir():
-        path, step = path.parent, int(path.name)
-    elif (path / "checkpoints").is_dir():
+    if (path / "checkpoints").is_dir():  # a run directory, whatever its name (runs/123 too)
         path = path / "checkpoints"
+    elif path.name.isdigit() and path.is_dir():
+        path, step = path.parent, int(path.name)
     if not path.is_dir():
         raise ConfigError(f"{what}={str(spec)!r}: no such directory; pass a run directory "
                           "(runs/NAME), its checkpoints folder, or one step folder "

@@ -119,7 +119,13 @@ def read_weights(directory: str | Path, *, error: type[Exception] = StableHLOErr
     for file in files:
         if not (d / file).exists():
             raise error(f"{d / file} is missing (named by {INDEX_FILE})")
-        tensors.update(read_safetensors_file(d / file, error=error, fix=fix))
+        for name, array in read_safetensors_file(d / file, error=error, fix=fix).items():
+            if name in tensors:  # never one shard's copy silently replacing another's
+                raise error(f"{d}: tensor {name!r} is in two files (the second: {file}); {fix}")
+            if weight_map is not None and weight_map.get(name, file) != file:
+                raise error(f"{d / file} holds {name!r}, which {INDEX_FILE} places in "
+                            f"{weight_map[name]}; {fix}")
+            tensors[name] = array
     if weight_map is not None:
         missing = sorted(set(weight_map) - set(tensors))
         if missing:

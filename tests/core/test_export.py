@@ -24,7 +24,7 @@ from aiinfra_jax.data.tokenizer import ByteTokenizer, HFTokenizer
 from aiinfra_jax.import_hf import main as import_main
 from aiinfra_jax.load import load_model
 from aiinfra_jax.rundir import initialize_from
-from aiinfra_jax.models import ModelConfig, NSAConfig
+from aiinfra_jax.models import DenseConfig, ModelConfig, NSAConfig
 from aiinfra_jax.train import train
 from aiinfra_jax.trainer import Trainer
 from helpers import ROOT, tiny
@@ -191,6 +191,20 @@ def test_safetensors_files_keep_bfloat16_and_integers(tmp_path):
     for name, value in tensors.items():
         assert back[name].dtype == np.asarray(value).dtype
         np.testing.assert_array_equal(back[name], value)
+    # Shards that disagree with their index, or hold a tensor twice, are refused by name.
+    import json
+    from safetensors.numpy import save_file
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    files = ex.write_safetensors(sharded, {"a": np.zeros(300, np.float32),
+                                           "b": np.ones(300, np.float32)},
+                                 max_shard_bytes=1000, metadata={}, say=print)
+    assert len(files) == 2
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    save_file({"a": np.zeros(3, np.float32), "b": np.ones(300, np.float32)},
+              str(sharded / index["weight_map"]["b"]))
+    with pytest.raises(ValueError, match=r"tensor 'a' is in two files|holds 'a', which"):
+        ex.read_safetensors(sharded)
 
 
 def test_names_do_not_depend_on_scan_layers():
@@ -208,7 +222,8 @@ def test_hf_export_refuses_what_llama_cannot_express(tmp_path, capsys):
     for kw, named in [(dict(mixers=("dense", "nsa")), "Native Sparse Attention"),
                       (dict(ffns=("moe",)), "mixture-of-experts"),
                       (dict(residual="attnres_block"), "Attention Residuals"),
-                      (dict(short_conv=4), "short convolution")]:
+                      (dict(short_conv=4), "short convolution"),
+                      (dict(dense=DenseConfig(qk_norm=True, qkv_bias=True)), "o_proj")]:
         parts = hf.unsupported_parts(ModelConfig(n_layers=4, **kw))
         assert len(parts) == 1 and named in parts[0]
     assert hf.unsupported_parts(ModelConfig()) == []

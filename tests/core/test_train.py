@@ -155,6 +155,9 @@ def test_initialize_from_names_a_source_without_checkpoints(tmp_path):
     (run / "checkpoints" / "7").mkdir(parents=True)
     assert checkpoint_source(str(run)) == (run / "checkpoints", None)
     assert checkpoint_source(str(run / "checkpoints" / "7")) == (run / "checkpoints", 7)
+    numbered = tmp_path / "123"  # a run directory named by a number is a run, not a step
+    (numbered / "checkpoints").mkdir(parents=True)
+    assert checkpoint_source(str(numbered)) == (numbered / "checkpoints", None)
 
 
 def test_sharded_run_matches_single_device(tmp_path):
