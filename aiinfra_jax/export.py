@@ -508,6 +508,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="stablehlo: prefill buckets, e.g. 16,64,256 (default: powers of two)")
     add_debug_flag(ap)
     args = ap.parse_args(argv)
+    if args.fmt != "stablehlo":  # their settings would be ignored: said instead
+        given = [flag for flag in ("--platforms", "--max-len", "--batch-size", "--prompt-lengths")
+                 if getattr(args, flag[2:].replace("-", "_")) != ap.get_default(
+                     flag[2:].replace("-", "_"))]
+        if given:
+            ap.error(f"{', '.join(given)} apply to --format stablehlo only (--format is "
+                     f"{args.fmt})")
     if not args.debug:
         quiet_library_tracebacks()
     try:

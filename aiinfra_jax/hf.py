@@ -205,7 +205,16 @@ def from_hf_tensors(hf: Mapping[str, np.ndarray], cfg: ModelConfig, where: str
         if theirs not in hf:
             raise ExportError(f"{where}: tensor {theirs!r} is missing; a {cfg.n_layers}-layer "
                               "Llama checkpoint has it")
-        out[ours] = np.ascontiguousarray(back(np.asarray(hf[theirs]), cfg))
+        array = np.asarray(hf[theirs])
+        try:
+            out[ours] = np.ascontiguousarray(back(array, cfg))
+        except ValueError as e:  # a reshape that cannot hold it: config.json and tensor disagree
+            raise ExportError(
+                f"{where}: tensor {theirs!r} has shape {list(array.shape)}, which does not fit "
+                f"config.json (hidden_size {cfg.d_model}, {cfg.n_heads} heads and "
+                f"{cfg.n_kv_heads} KV heads of head_dim {cfg.resolved_head_dim}, "
+                f"intermediate_size {cfg.resolved_d_ff}) ({e}); the config.json is not the "
+                "one these weights were saved with") from e
         mapping.append((theirs, ours))
         used.add(theirs)
     if cfg.tie_embeddings and "lm_head.weight" in hf:

@@ -71,6 +71,10 @@ def load_model(source: str | Path, *, step: int | None = None,
     Raises ConfigError for a bad source or override, NoCheckpointError when the source holds no
     committed checkpoint, and the Checkpointer's errors for corrupt or mismatching files."""
     folder, source_step = checkpoint_source(source)
+    if step is not None and source_step is not None and step != source_step:
+        raise ConfigError(f"step {step} was asked for, but {source} is the folder of step "
+                          f"{source_step}: name the run directory with the step, or the step "
+                          "folder alone")
     step = step if step is not None else source_step
     with Checkpointer(folder, config={}, async_save=False, read_only=True) as reader:
         step, saved = reader.saved_config(step)

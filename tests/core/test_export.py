@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -164,6 +165,16 @@ def test_sharded_export_force_and_refusals(trained, tmp_path, capsys):
     _fail(ex.main, ["--checkpoint", str(tmp_path / "empty_run"), "--out", str(tmp_path / "y")],
           capsys)
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    # A step folder with another --step, and stablehlo's settings for another format: refused.
+    step_dir = max((p for p in (Path(run_dir) / "checkpoints").iterdir() if p.name.isdigit()),
+                   key=lambda p: int(p.name))
+    assert "is the folder of step" in _fail(
+        ex.main, ["--checkpoint", str(step_dir), "--step", str(int(step_dir.name) + 1),
+                  "--out", str(tmp_path / "z")], capsys)
+    with pytest.raises(SystemExit):
+        ex.main(["--checkpoint", str(run_dir), "--out", str(tmp_path / "z"), "--max-len", "64"])
+    assert "--max-len apply to --format stablehlo only" in capsys.readouterr().err
+    assert not (tmp_path / "z").exists()
 
 
 def test_load_safetensors_refuses_files_that_do_not_fit(trained, tmp_path):
@@ -257,6 +268,13 @@ def test_import_refuses_what_our_dense_model_lacks():
                           ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn'")]:
         with pytest.raises(hf.ExportError, match=named):
             hf.model_fields_from_hf({**base, **change}, "m")
+    # A tensor whose shape the config cannot hold is named, with the sizes the config gives.
+    cfg = ModelConfig(**hf.model_fields_from_hf(base, "m"))
+    names = [theirs for _, theirs, _, _ in hf._pairs(cfg)]
+    tensors = {n: np.zeros((64, 32), np.float32) for n in names}
+    with pytest.raises(hf.ExportError, match=r"m: tensor '.*' has shape \[64, 32\], which does "
+                                             r"not fit config.json \(hidden_size 32, 2 heads"):
+        hf.from_hf_tensors(tensors, cfg, "m")
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
