@@ -112,6 +112,7 @@ class DataIterator(_Resumable):
             k: (saved.get(k), self._fingerprint.get(k))
             for k in sorted(set(saved) | set(self._fingerprint))
             if saved.get(k) != self._fingerprint.get(k)
+            and (k in saved or k not in _FINGERPRINT_ADDED)  # states saved before a key existed
         }
         if diff:
             details = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
@@ -122,11 +123,17 @@ class DataIterator(_Resumable):
         self._iterator().set_state(state["grain"])
 
 
+# Fingerprint keys added after states were first saved: a state without one still restores.
+_FINGERPRINT_ADDED = frozenset({"documents"})
+
+
 def _fingerprint(cfg: DataConfig, tokenizer: Tokenizer, split: str, seed: int, repeat: bool,
-                 weights: Sequence[float], stream: int = 0) -> dict[str, Any]:
+                 weights: Sequence[float], stream: int = 0,
+                 documents: Sequence[int] = ()) -> dict[str, Any]:
     # (with one stream, the fingerprint of the states saved before streams existed)
     many = {"streams": cfg.streams, "stream": stream} if cfg.streams > 1 else {}
     return {
+        "documents": list(documents),  # per source, in the split: a grown folder cannot resume
         "sources": list(cfg.sources),
         "weights": list(weights),
         "text_field": cfg.text_field,
@@ -166,10 +173,11 @@ class StagedIterator(_Resumable):
     def _open(self, k: int) -> DataIterator:
         seed = self._seed if k == 0 else _derive_seed(self._seed, 4, k)
         weights = self._stages[k][1]
+        documents: list[int] = []
         ds = make_dataset(self._cfg, self._tokenizer, split=self._split, seed=seed, weights=weights,
-                          stream=self._stream)
+                          stream=self._stream, documents=documents)
         return DataIterator(ds, _fingerprint(self._cfg, self._tokenizer, self._split, seed, True,
-                                             weights, self._stream))
+                                             weights, self._stream, documents))
 
     @property
     def stage(self) -> int:
@@ -228,10 +236,11 @@ def _stream_iterator(cfg: DataConfig, tokenizer: Tokenizer, split: str, seed: in
                      stream: int) -> DataIterator | StagedIterator:
     if repeat and cfg.stages:
         return StagedIterator(cfg, tokenizer, split, seed, stream)
+    documents: list[int] = []
     ds = make_dataset(cfg, tokenizer, split=split, seed=seed, num_epochs=None if repeat else 1,
-                      stream=stream)
+                      stream=stream, documents=documents)
     return DataIterator(ds, _fingerprint(cfg, tokenizer, split, seed, repeat, cfg.mixture_weights,
-                                         stream))
+                                         stream, documents))
 
 
 class StreamsIterator(_Resumable):

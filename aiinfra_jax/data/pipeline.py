@@ -296,6 +296,7 @@ def make_dataset(
     num_epochs: int | None = None,
     weights: Sequence[float] | None = None,
     stream: int = 0,
+    documents: list[int] | None = None,
 ) -> grain.IterDataset:
     """The batched grain dataset of ``split`` (see the module docstring), or of one of its
     ``cfg.streams`` streams: batches of batch_size / streams rows (see DataConfig.streams).
@@ -313,6 +314,9 @@ def make_dataset(
       stream: which of the ``cfg.streams`` streams (0 with one stream). Each stream draws its own
         shuffles from ``seed`` and its index; with one stream the shuffles are seeded as they
         always were.
+      documents: if given, a list that gets each source's number of documents in this split and
+        stream appended (the data iterators keep them in their saved state: a source whose
+        documents changed cannot resume a position in its shuffle).
     """
     if split not in sources_lib.SPLITS:
         raise ValueError(f"split={split!r} is not one of {sources_lib.SPLITS}")
@@ -330,6 +334,8 @@ def make_dataset(
     rows = cfg.batch_size // cfg.streams
     opened = sources_lib.open_sources(cfg)
     docs = [_document_dataset(src, cfg, split, seed, i, stream) for i, src in enumerate(opened)]
+    if documents is not None:
+        documents.extend(len(d) for d in docs)
     whole = any(getattr(src, "whole_rows", False) for src in opened)
 
     if num_epochs is None:

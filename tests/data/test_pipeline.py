@@ -136,6 +136,27 @@ def test_state_from_other_setup_is_refused():
         other.set_state(state)
     with pytest.raises(ValueError, match="expected a dict from DataIterator.get_state"):
         other.set_state({"grain": {}})
+    # A state saved before the fingerprint counted documents still restores.
+    old = json.loads(json.dumps(state))
+    del old["fingerprint"]["documents"]
+    make_iterator(cfg, TOK, "train", seed=3).set_state(old)
+
+
+def test_a_source_whose_documents_changed_cannot_resume(tmp_path):
+    """A folder that gained a file since the state was saved: its shuffle is another, so the
+    saved position would repeat some documents and skip others; refused by name."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for i in range(3):
+        _write_jsonl(folder / f"{i}.jsonl", [f"document {i}.{j} " * 3 for j in range(20)])
+    cfg = DataConfig(sources=(str(folder),), seq_len=32, batch_size=4, val_fraction=0.0)
+    it = make_iterator(cfg, TOK, "train", seed=3)
+    next(it)
+    state = json.loads(json.dumps(it.get_state()))
+    _write_jsonl(folder / "3.jsonl", ["one more document"])
+    with pytest.raises(ValueError, match=r"different data setup \(documents: saved \[60\], "
+                                          r"now \[61\]\)"):
+        make_iterator(cfg, TOK, "train", seed=3).set_state(state)
 
 
 def _doc_ids(pieces):
