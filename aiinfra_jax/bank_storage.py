@@ -30,6 +30,7 @@ file.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
@@ -254,8 +255,16 @@ class MemoryBank:
 
     def doc_ids(self) -> list[Any]:
         """The caller's id of every committed document, in bank order."""
+        return [json.loads(line)["id"] for line in self._doc_lines()]
+
+    def _doc_lines(self) -> list[str]:
+        """The committed documents' lines of docs.jsonl (refused when it holds fewer)."""
         lines = (self.path / "docs.jsonl").read_text().splitlines()[:self.n_docs]
-        return [json.loads(line)["id"] for line in lines]
+        if len(lines) < self.n_docs:
+            raise BankError(f"memory bank {self.path}: docs.jsonl names {len(lines)} documents, "
+                            f"the manifest commits {self.n_docs}; the bank is damaged (its ids "
+                            "would name the wrong documents): rebuild it")
+        return lines
 
     def append(self, encoded: Encoded, ids: Sequence[Any] | None = None,
                model: nnx.Module | None = None) -> None:
@@ -268,9 +277,36 @@ class MemoryBank:
         ids = list(range(m["n_docs"], m["n_docs"] + n_new)) if ids is None else list(ids)
         if len(ids) != n_new:
             raise BankError(f"append: {len(ids)} ids for {n_new} documents")
+        lines = []  # (checked before anything is written: a bad id leaves the bank as it was)
+        for i, n in zip(ids, encoded.doc_length):
+            try:
+                lines.append(json.dumps({"id": i, "tokens": int(n)}))
+            except TypeError as e:
+                raise BankError(f"append: id {i!r} ({type(i).__name__}) is not JSON-able; pass "
+                                "str or int ids") from e
+        keys = [json.dumps(json.loads(line)["id"]) for line in lines]  # as they will read back
+        seen = {json.dumps(i) for i in self.doc_ids()}
+        again = sorted({k for k in keys if k in seen}
+                       | {k for k, c in collections.Counter(keys).items() if c > 1})
+        if again:
+            raise BankError(f"append: ids {again[:5]} are already in the bank or given twice; "
+                            "a document appended twice would be routed to twice (to go on after "
+                            "an interrupted build, append only the documents not yet in it)")
         if sorted(encoded.layers) != sorted(m["layers"]):
             raise BankError(f"append: encoded layers {sorted(encoded.layers)}, the bank stores "
                             f"{m['layers']}")
+        rows = {"route_k": int(encoded.doc_chunks.sum()), "k": int(encoded.doc_kv_chunks.sum())}
+        rows["v"] = rows["k"]
+        for i in m["layers"]:
+            for name in ARRAYS:
+                want = (rows[name], m["kv_heads"], m["head_dim"])
+                got = tuple(np.shape(encoded.layers[i][name]))
+                if got != want:
+                    raise BankError(
+                        f"append: layer {i} {name} is {list(got)}, the bank stores [rows, "
+                        f"{m['kv_heads']}, {m['head_dim']}] and these documents' chunks make "
+                        f"{rows[name]} rows: encode them with the bank's model "
+                        "(MemoryBank.open(path, model) checks it)")
         longest = int(encoded.doc_length.max())
         if longest > m["max_doc_length"]:
             raise BankError(f"append: a document has {longest} tokens, more than the bank's "
@@ -290,9 +326,12 @@ class MemoryBank:
                 f.flush()
                 os.fsync(f.fileno())
         jl = self.path / "docs.jsonl"
-        kept = jl.read_text().splitlines()[:m["n_docs"]]
-        lines = [json.dumps({"id": i, "tokens": int(n)}) for i, n in zip(ids, encoded.doc_length)]
-        jl.write_text("".join(line + "\n" for line in kept + lines))
+        kept = self._doc_lines()
+        tmp = jl.with_suffix(".jsonl.tmp")  # replaced whole: a crash keeps the old file
+        tmp.write_text("".join(line + "\n" for line in kept + lines))
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, jl)
         self.manifest = dict(m, n_docs=m["n_docs"] + n_new,
                              n_chunks=m["n_chunks"] + int(encoded.doc_chunks.sum()),
                              n_kv_chunks=self.n_kv_chunks + int(encoded.doc_kv_chunks.sum()),

@@ -159,6 +159,8 @@ def build_bank(model: nnx.Module, docs: Sequence[np.ndarray], out: str | Path, *
     every batch_docs documents (an interruption keeps every committed batch)."""
     if not docs:
         raise BankError("build_bank: the collection is empty; give at least one document")
+    if ids is not None and len(ids) != len(docs):  # before any batch is committed
+        raise BankError(f"build_bank: {len(ids)} ids for {len(docs)} documents")
     bank = (MemoryBank.open(out, model=model) if append
             else MemoryBank.create(out, model, max_doc_length=max_doc_length,
                                    overwrite=overwrite))

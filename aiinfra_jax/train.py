@@ -167,14 +167,14 @@ def _train_in(trainer: Trainer, hooks, procs: _Processes, stored: Config, run_di
                     stopped_by = due.stop
                     break
                 if due.eval:
-                    val = trainer.evaluate(state, jeval, cfg.eval.batches)
+                    with interval.not_training():
+                        val = trainer.evaluate(state, jeval, cfg.eval.batches)
                     writer.write(step, {"val/loss": val["loss"], "val/perplexity": val["perplexity"]})
-                    interval.restart_clock()
                 if due.hooks:  # before the next step: the params buffers are donated to it
-                    model = trainer.model(state["params"], state.get("model_state"))
-                    for hook in due.hooks:
-                        writer.write(step, hook(step, model, trainer))
-                    interval.restart_clock()
+                    with interval.not_training():
+                        model = trainer.model(state["params"], state.get("model_state"))
+                        for hook in due.hooks:
+                            writer.write(step, hook(step, model, trainer))
         if not stopped_by:  # (a stop saved its step above)
             ckpt.save(step, state, procs.data_state(last_data_state), force=True)
         final = None
@@ -406,7 +406,7 @@ class _Interval:
 
     def __init__(self):
         self.pending: list[dict] = []
-        self.host_wait = 0.0
+        self.host_wait = self.excluded = 0.0
         self.start = time.perf_counter()
 
     def next_batch(self, prefetch: _Prefetcher):
@@ -420,13 +420,26 @@ class _Interval:
             _wait_for_step(self.pending[-1])
         self.pending.append(metrics)
 
-    def restart_clock(self) -> None:
-        """After work that is not training (validation, hooks), so throughput leaves it out."""
-        self.start = time.perf_counter()
+    @contextlib.contextmanager
+    def not_training(self):
+        """Around work that is not training (validation, hooks): its time is left out of the
+        interval's throughput, and the steps before it keep theirs (they are finished first, so
+        it holds none of their compute)."""
+        if self.pending:
+            _wait_for_step(self.pending[-1])
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.excluded += time.perf_counter() - t0
+
+    def seconds(self) -> float:
+        """Training wall time of the interval so far."""
+        return time.perf_counter() - self.start - self.excluded
 
     def restart(self) -> None:
-        self.pending, self.host_wait = [], 0.0
-        self.restart_clock()
+        self.pending, self.host_wait, self.excluded = [], 0.0, 0.0
+        self.start = time.perf_counter()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -483,7 +496,7 @@ def _log(step: int, interval: _Interval, speed: _Speed, writer: MetricsWriter,
     """Writes the log record of the interval that ends at ``step`` (the means of its steps'
     metrics, throughput, MFU), shows it on the progress bar, starts a new interval; returns it."""
     values = jax.device_get(interval.pending)
-    seconds = time.perf_counter() - interval.start
+    seconds = interval.seconds()
     tokens_per_sec = len(values) * speed.tokens_per_step / seconds
     rec = {k: float(np.mean([v[k] for v in values])) for k in values[0]}
     rec.update({

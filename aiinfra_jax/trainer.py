@@ -182,6 +182,9 @@ class Trainer:
         several streams the pass ends when all of them have (rows of padding, which weigh
         nothing, stand in for the streams that ended first), so the numbers do not depend on
         the number of processes."""
+        if isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 0:
+            raise ValueError(f"evaluate: max_batches={max_batches!r} must be an int >= 0 (0 = the "
+                             "whole split)")
         total = None
         many = jax.process_count() > 1
         with make_iterator(self.cfg.data, self.tokenizer, split=split, seed=self.cfg.run.seed,
@@ -200,7 +203,9 @@ class Trainer:
         if total is None:
             raise ValueError(f"the {split} split produced no batches; check data.sources and "
                              f"data.val_fraction")
-        return summarize_eval(jax.device_get(total), self.cfg.data.seq_len)
+        out = summarize_eval(jax.device_get(total), self.cfg.data.seq_len)
+        out["batches"] = i  # fewer than max_batches when the split ended first
+        return out
 
 
 def _match_param_shardings(opt_abs, params_abs, params_sh, default):

@@ -15,7 +15,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from aiinfra_jax.config import Config, ConfigError
-from aiinfra_jax.eval.longctx import LongCtxConfig, build_examples, longctx_scores, small_grid
+from aiinfra_jax.eval.longctx import (LongCtxConfig, answer_budgets, build_examples,
+                                      check_lengths, longctx_scores, small_grid)
 
 
 class LongCtxHook:
@@ -37,7 +38,10 @@ class LongCtxHook:
         try:
             grid = small_grid(lengths=tuple(lengths), tasks=tuple(e.longctx_tasks),
                               depths=tuple(e.longctx_depths), samples=e.longctx_samples)
-            build_examples(trainer.tokenizer, grid)  # a length too short for a task fails here
+            examples = build_examples(trainer.tokenizer, grid)  # a too short length fails here
+            # each length plus its answer must fit the model (else the first call fails, steps
+            # into the run)
+            check_lengths(answer_budgets(examples, grid), cfg.model.max_seq_len)
         except ValueError as err:
             raise ConfigError(f"eval.longctx_*: {err}") from err
         self.grid = grid

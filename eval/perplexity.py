@@ -50,7 +50,10 @@ def main(argv=None) -> int:
             raise
         return status
     print(f"{res['split']} loss {res['loss']:.4f}  perplexity {res['perplexity']:.3f}  "
-          f"({res['tokens']} tokens, step {res['step']})")
+          f"({res['tokens']} tokens in {res['batches']} batches, step {res['step']})")
+    if args.batches and res["batches"] < args.batches:
+        print(f"note: the {res['split']} split ended after {res['batches']} of the "
+              f"{args.batches} batches asked for")
     for b in res["by_position"]:
         loss = f"{b['loss']:.4f}" if b["loss"] is not None else "n/a"
         print(f"  positions {b['positions'][0]:>6}-{b['positions'][1]:<6} loss {loss}  "

@@ -42,8 +42,12 @@ def test_end_to_end_trains_checkpoints_and_evaluates(tmp_path):
     # the perplexity CLI reads the checkpoint back and gives the loop's number
     from aiinfra_jax.eval.perplexity import evaluate_checkpoint
     res = evaluate_checkpoint(run, batches=2)
-    assert res["step"] == 40
+    assert res["step"] == 40 and res["batches"] == 2
     assert res["loss"] == pytest.approx(s["validation"]["loss"], rel=1e-5)
+    every = evaluate_checkpoint(run, batches=10**6)  # the split ends first: said, with the count
+    assert 2 < every["batches"] < 10**6
+    with pytest.raises(ValueError, match="max_batches=-1 must be an int >= 0"):
+        evaluate_checkpoint(run, batches=-1)
     # a second identical command leaves the finished run alone and starts run-2
     assert choose_run_dir(cfg) == (tmp_path / "tiny-2", False)
 
@@ -257,6 +261,13 @@ def test_longctx_grid_is_checked_before_training(tmp_path):
         train(tiny(tmp_path, "eval.longctx_every=5", "eval.longctx_tasks=passkey",
                    "eval.longctx_lengths=128"), quiet=True)
     assert not (tmp_path / "tiny").exists()  # nothing was created
+    # A length that fits the model but leaves no room for the answer (the default length is
+    # data.seq_len): refused up front too, not at the hook's first call.
+    with pytest.raises(ConfigError, match=r"eval.longctx_\*: .*answer tokens .* exceed "
+                                          "model.max_seq_len=256"):
+        train(tiny(tmp_path, "eval.longctx_every=5", "eval.longctx_tasks=passkey",
+                   "data.seq_len=256", "model.max_seq_len=256"), quiet=True)
+    assert not (tmp_path / "tiny").exists()
 
 
 class _RecordingHook:
@@ -319,3 +330,17 @@ def test_weight_decay_reaches_matrices_only():
     for name in ("wq", "w_q", "w_k", "w_v", "w_o", "w_f1", "w_f2", "router_q", "w_router",
                  "w_private", "w_up", "w_down", "table", "kernel"):
         assert seen[name] == {True}, name
+
+
+def test_throughput_leaves_out_evaluation_time_but_keeps_the_steps_before_it():
+    """The interval's training seconds exclude the time of an evaluation inside it, and only that:
+    restarting the clock after it (as before) dropped the steps before it, so tokens/s and MFU were
+    overstated (2x with eval.every half of run.log_every)."""
+    from aiinfra_jax.train import _Interval
+
+    interval = _Interval()
+    time.sleep(0.1)  # "steps"
+    with interval.not_training():
+        time.sleep(0.5)  # an evaluation
+    time.sleep(0.1)
+    assert 0.19 < interval.seconds() < 0.45, interval.seconds()

@@ -208,6 +208,30 @@ def test_bad_banks_and_documents_are_refused(tmp_path):
         mb.build_bank(model, [], tmp_path / "empty", max_doc_length=16)
     with pytest.raises(mb.BankError, match="document 1 has 20 tokens.*max_doc_length=16"):
         mb.build_bank(model, _docs(lengths=[5, 20]), tmp_path / "long", max_doc_length=16)
+    # Appends refused before anything is written: ids already in the bank (an interrupted build
+    # appended again), ids that are not JSON-able, another model's arrays, a wrong id count.
+    bank = mb.MemoryBank.open(tmp_path / "bank", model=model)
+    enc = mb.encode_documents(model, docs[:2], row_len=256, max_doc_length=16)
+    with pytest.raises(mb.BankError, match=r"ids \['0', '1'\] are already in the bank"):
+        bank.append(enc, [0, 1])
+    with pytest.raises(mb.BankError, match="given twice"):
+        bank.append(enc, ["x", "x"])
+    with pytest.raises(mb.BankError, match="id .* is not JSON-able"):
+        bank.append(enc, [object(), "y"])
+    narrow = dataclasses.replace(enc, layers={i: {**a, "k": a["k"][:, :1]}
+                                             for i, a in enc.layers.items()})
+    with pytest.raises(mb.BankError, match=r"layer 1 k is \[\d+, 1, \d+\].*bank's model"):
+        bank.append(narrow, ["x", "y"])
+    assert mb.MemoryBank.open(tmp_path / "bank", model=model).manifest == bank.manifest
+    with pytest.raises(mb.BankError, match="3 ids for 5 documents"):
+        mb.build_bank(model, docs, tmp_path / "ids", ids=["a", "b", "c"], max_doc_length=16)
+    assert not (tmp_path / "ids").exists()
+    # docs.jsonl cut short (a crash while it was rewritten, before it was written whole)
+    listing = (tmp_path / "bank" / "docs.jsonl").read_text()
+    (tmp_path / "bank" / "docs.jsonl").write_text("".join(listing.splitlines(True)[:2]))
+    with pytest.raises(mb.BankError, match="docs.jsonl names 2 documents, the manifest commits 5"):
+        mb.MemoryBank.open(tmp_path / "bank").doc_ids()
+    (tmp_path / "bank" / "docs.jsonl").write_text(listing)
     with open(tmp_path / "bank" / "layer_1.v.bin", "r+b") as f:
         f.truncate(10)
     with pytest.raises(mb.BankError, match="layer_1.v.bin has 10 bytes.*truncated"):
