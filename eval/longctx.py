@@ -34,6 +34,7 @@ import argparse
 import dataclasses
 import json
 import math
+import shutil
 import sys
 import time
 from collections import defaultdict
@@ -44,7 +45,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from aiinfra_jax.config import load_run_config
+from aiinfra_jax.config import ConfigError, load_run_config
 from aiinfra_jax.errors import add_debug_flag, report_error
 from aiinfra_jax.data import load_tokenizer
 from aiinfra_jax.eval.answerers import Answerer, ModelAnswerer
@@ -415,6 +416,21 @@ def write_heatmap(result: dict[str, Any], task: str, path: str | Path) -> None:
     plt.close(fig)
 
 
+def prepare_out(out: Path, overwrite: bool) -> None:
+    """Refuses an output folder that holds files, unless `overwrite` and it is an earlier
+    evaluation's (results.json or samples.jsonl), which is then removed whole: a grid never
+    mixes with another's heatmaps or samples."""
+    if not out.exists() or not any(out.iterdir()):
+        return
+    if not overwrite:
+        raise ConfigError(f"{out} already holds files (an earlier evaluation's results?); pass "
+                          "another --out, or --overwrite to replace them")
+    if not ((out / "results.json").exists() or (out / "samples.jsonl").exists()):
+        raise ConfigError(f"--overwrite: {out} holds files but no results.json or samples.jsonl, "
+                          "so it is not a longctx output folder; nothing is deleted")
+    shutil.rmtree(out)
+
+
 def write_outputs(result: dict[str, Any], out_dir: str | Path) -> None:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -488,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
                          "per batch)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--out", default=None, help="output folder (default RUN_DIR/longctx/step_N)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace an earlier evaluation's results in --out (else refused)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="overrides of the run's config: mesh, data, and the model's run-time "
                          "settings (e.g. model.nsa.implementation=xla)")
@@ -525,6 +543,7 @@ def main(argv: list[str] | None = None) -> int:
         step = loaded.step
         suffix = f"_without_{'_'.join(branches_off)}" if branches_off else ""
         out = Path(args.out) if args.out else run_dir / "longctx" / f"step_{step}{suffix}"
+        prepare_out(out, args.overwrite)
         answerer = ModelAnswerer(model, loaded.tokenizer, prefill_chunk=cfg.prefill_chunk,
                                  warmup=not args.no_warmup, score_answers=cfg.teacher_forced)
         meta = {"run_dir": str(run_dir), "step": step,

@@ -335,3 +335,21 @@ def test_in_loop_hook_is_registered_checks_its_grid_and_scores():
                        ("eval.longctx_tasks=nope", "eval.longctx_.*unknown task")):
         with pytest.raises(ConfigError, match=match):
             LongCtxHook(7).check(SimpleNamespace(cfg=config(bad), tokenizer=TOK))
+
+
+def test_an_earlier_evaluations_folder_is_never_mixed_with_a_new_one(tmp_path):
+    out = tmp_path / "step_40"
+    lc.prepare_out(out, overwrite=False)  # absent: fine
+    out.mkdir()
+    (out / "results.json").write_text("{}")
+    (out / "heatmap_passkey.png").write_bytes(b"png")
+    with pytest.raises(ValueError, match="already holds files.*--overwrite"):
+        lc.prepare_out(out, overwrite=False)
+    lc.prepare_out(out, overwrite=True)  # an earlier evaluation's: removed whole
+    assert not out.exists()
+    mine = tmp_path / "notes"
+    mine.mkdir()
+    (mine / "keep.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="not a longctx output folder; nothing is deleted"):
+        lc.prepare_out(mine, overwrite=True)
+    assert (mine / "keep.txt").read_text() == "keep me"
