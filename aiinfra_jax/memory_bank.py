@@ -265,11 +265,19 @@ class BankAnswer:
 def generate_from_bank(model: nnx.Module, device_bank: DeviceBank,
                        prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                        eos_id: int | None = None, pad_id: int = 0,
-                       mesh: jax.sharding.Mesh | None = None) -> BankAnswer:
+                       mesh: jax.sharding.Mesh | None = None,
+                       vocab: int | None = None) -> BankAnswer:
     """Greedy answers to token prompts over the bank (bank_prefill, then the compiled decode loop
-    of aiinfra_jax.generate); mesh: as bank_prefill's."""
+    of aiinfra_jax.generate); mesh: as bank_prefill's; vocab: as generate's (ids < vocab only,
+    e.g. the tokenizer's vocab_size when the model's vocabulary is padded past it)."""
     if not prompts or min(len(p) for p in prompts) < 1:
         raise ValueError("generate_from_bank: give at least one non-empty prompt")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"generate_from_bank: max_new_tokens={max_new_tokens!r} must be a "
+                         "positive int")
+    if vocab is not None and not 1 <= vocab <= model.cfg.vocab_size:
+        raise ValueError(f"generate_from_bank: vocab={vocab} must be in [1, "
+                         f"{model.cfg.vocab_size}]")
     lengths = np.asarray([len(p) for p in prompts], np.int32)
     tokens = np.full((len(prompts), int(lengths.max())), pad_id, np.int32)
     for b, p in enumerate(prompts):
@@ -286,7 +294,8 @@ def generate_from_bank(model: nnx.Module, device_bank: DeviceBank,
     lengths_j = jnp.asarray(lengths)
     out, n_out, done = decode_loop(graphdef, state, cache, logits,
                                    lengths_j + cfg.msa.resolved_query_offset, max_new_tokens, 0.0,
-                                   1.0, eos_id, int(pad_id), None)
+                                   1.0, eos_id, int(pad_id), None,
+                                   vocab=None if vocab is None else int(vocab))
     return BankAnswer(GenerateResult(tokens=out, lengths=n_out, finished=done,
                                      prompt_lengths=lengths_j), documents)
 

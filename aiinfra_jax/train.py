@@ -459,7 +459,8 @@ class _Due:
         stop = stop_requested or (f"stop_after={stop_after}"
                                   if stop_after is not None and step >= stop_after else None)
         return cls(
-            log=step % cfg.run.log_every == 0 or step == total,
+            # (a stop logs the steps since the last log point: they would be lost otherwise)
+            log=step % cfg.run.log_every == 0 or step == total or stop is not None,
             eval=bool(can_eval and cfg.eval.every and step % cfg.eval.every == 0 and step < total),
             checkpoint=bool(cfg.checkpoint.every and step % cfg.checkpoint.every == 0),
             hooks=tuple(h for h in hooks if step % h.every == 0),

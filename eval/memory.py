@@ -231,7 +231,7 @@ def evaluate_size(model, tokenizer, bank: mb.MemoryBank, needles, *, batch: int,
         part = needles[first:first + batch]
         ans = mb.generate_from_bank(model, device_bank, prompts[first:first + batch],
                                     max_new_tokens=max_new_tokens, eos_id=tokenizer.eos_id,
-                                    mesh=mesh)
+                                    mesh=mesh, vocab=tokenizer.vocab_size)
         toks, lens = np.asarray(ans.result.tokens), np.asarray(ans.result.lengths)
         for b, (doc, _, value) in enumerate(part):
             answers.append(_answer_text(tokenizer, toks[b], lens[b]))
@@ -416,7 +416,7 @@ def main(argv=None) -> int:
             device_bank = bank.to_device(loaded.mesh, kv_on_host=args.kv_on_host)
             ans = mb.generate_from_bank(loaded.model, device_bank, [prompt],
                                         max_new_tokens=args.max_new_tokens, eos_id=tok.eos_id,
-                                        mesh=loaded.mesh)
+                                        mesh=loaded.mesh, vocab=tok.vocab_size)
             ids = bank.doc_ids()
             print(_answer_text(tok, np.asarray(ans.result.tokens)[0],
                                int(ans.result.lengths[0])))

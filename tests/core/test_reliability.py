@@ -58,7 +58,10 @@ def test_a_restart_from_scratch_does_not_repeat_the_killed_attempts_log_lines(tm
 
 def test_a_refused_resume_keeps_config_json_and_an_allowed_change_is_said(tmp_path, capsys):
     run_dir = tmp_path / "r"
-    train(tiny(tmp_path, "run.steps=3", f"run.run_dir={run_dir}"), stop_after=1, quiet=True)
+    part = train(tiny(tmp_path, "run.steps=3", f"run.run_dir={run_dir}"), stop_after=1,
+                 quiet=True)
+    # step 1 is no log point (run.log_every=20): the stop logs the steps since the last one
+    assert [r["step"] for r in part["history"]] == [1]
     saved = (run_dir / "config.json").read_text()
     with pytest.raises(Exception, match="d_model"):
         train(tiny(tmp_path, "run.steps=3", f"run.run_dir={run_dir}", "model.d_model=64"),

@@ -187,6 +187,10 @@ def test_generate_from_bank_round_trip_and_append(tmp_path):
     assert (whole.kv_chunk, whole.n_kv_chunks) == (4, whole.n_chunks)
     answers = [mb.generate_from_bank(model, b.to_device(), PROMPTS, max_new_tokens=4)
                for b in (whole, reopened)]
+    low = mb.generate_from_bank(model, whole.to_device(), PROMPTS, max_new_tokens=4, vocab=5)
+    assert int(np.max(np.asarray(low.result.tokens))) < 5  # ids a smaller tokenizer can decode
+    with pytest.raises(ValueError, match="max_new_tokens=0 must be a positive int"):
+        mb.generate_from_bank(model, whole.to_device(), PROMPTS, max_new_tokens=0)
     for a in answers[1:]:
         np.testing.assert_array_equal(np.asarray(a.result.tokens),
                                       np.asarray(answers[0].result.tokens))
