@@ -491,7 +491,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
     ap.add_argument("--tasks", default="niah", help="comma-separated tasks or groups (niah, all)")
     ap.add_argument("--lengths", default="1k", help="context lengths in tokens, e.g. 1k,2k,4k")
-    ap.add_argument("--depths", default="11", help="a count (evenly spaced 0-100%%) or percents")
+    ap.add_argument("--depths", default="11",
+                    help="a count (evenly spaced 0-100%%), or comma-separated percents; one "
+                         "percent alone needs a trailing comma: 50, (50 is fifty depths)")
     ap.add_argument("--samples", type=int, default=1, help="examples per (task, length, depth)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=8)

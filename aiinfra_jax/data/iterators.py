@@ -102,6 +102,17 @@ class DataIterator(_Resumable):
         }
 
     def set_state(self, state: Mapping[str, Any]) -> None:
+        if isinstance(state, Mapping) and "states" in state:  # a StreamsIterator's
+            raise ValueError(
+                f"data iterator state holds the positions of data.streams={state.get('streams')} "
+                "streams, and this iterator reads one stream; resume with the data.streams the "
+                "run was saved with"
+            )
+        if isinstance(state, Mapping) and "stages" in state:  # a StagedIterator's
+            raise ValueError(
+                "data iterator state is from a staged iterator (data.stages), and this iterator "
+                "has no stages; resume with the data.stages the run was saved with"
+            )
         if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT or "grain" not in state:
             raise ValueError(
                 f"data iterator state has format {state.get('format') if isinstance(state, Mapping) else state!r}; "

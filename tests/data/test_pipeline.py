@@ -136,6 +136,10 @@ def test_state_from_other_setup_is_refused():
         other.set_state(state)
     with pytest.raises(ValueError, match="expected a dict from DataIterator.get_state"):
         other.set_state({"grain": {}})
+    # A two-stream state given to a one-stream iterator is named as such.
+    two = make_iterator(DataConfig(seq_len=32, batch_size=4, streams=2), TOK, "train", seed=3)
+    with pytest.raises(ValueError, match=r"positions of data.streams=2 streams.*one stream"):
+        make_iterator(cfg, TOK, "train", seed=3).set_state(two.get_state())
     # A state saved before the fingerprint counted documents still restores.
     old = json.loads(json.dumps(state))
     del old["fingerprint"]["documents"]
@@ -274,7 +278,8 @@ def test_stages_switch_the_mixture_and_resume_across_a_boundary(tmp_path, monkey
     with pytest.raises(ValueError, match="saved with stages .* resume with the same DataConfig.stages"):
         make_iterator(moved, TOK, "train", seed=1).set_state(state)
     plain = make_iterator(DataConfig(sources=tuple(paths), seq_len=16, batch_size=4), TOK, "train")
-    with pytest.raises(ValueError, match="expected a dict from DataIterator.get_state"):
+    with pytest.raises(ValueError, match=r"from a staged iterator \(data.stages\), and this "
+                                         "iterator has no stages"):
         plain.set_state(state)
     with pytest.raises(ValueError, match="not from a staged iterator"):
         make_iterator(cfg, TOK, "train", seed=1).set_state(plain.get_state())
