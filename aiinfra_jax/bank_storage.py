@@ -285,7 +285,8 @@ class MemoryBank:
                 raise BankError(f"append: id {i!r} ({type(i).__name__}) is not JSON-able; pass "
                                 "str or int ids") from e
         keys = [json.dumps(json.loads(line)["id"]) for line in lines]  # as they will read back
-        seen = {json.dumps(i) for i in self.doc_ids()}
+        kept = self._doc_lines()  # (read once: the check here, the rewrite below)
+        seen = {json.dumps(json.loads(line)["id"]) for line in kept}
         again = sorted({k for k in keys if k in seen}
                        | {k for k, c in collections.Counter(keys).items() if c > 1})
         if again:
@@ -326,7 +327,6 @@ class MemoryBank:
                 f.flush()
                 os.fsync(f.fileno())
         jl = self.path / "docs.jsonl"
-        kept = self._doc_lines()
         tmp = jl.with_suffix(".jsonl.tmp")  # replaced whole: a crash keeps the old file
         tmp.write_text("".join(line + "\n" for line in kept + lines))
         with open(tmp, "rb+") as f:

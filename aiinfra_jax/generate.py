@@ -78,6 +78,13 @@ def sample(logits: jax.Array, rng: jax.Array | None, temperature: float = 0.0,
     return jax.random.categorical(rng, scaled, axis=-1).astype(jnp.int32)
 
 
+def check_vocab(vocab: int | None, model_vocab: int, who: str) -> None:
+    """`vocab` (decode_loop's: ids < vocab only; None = all) must lie within the model's."""
+    if vocab is not None and not 1 <= vocab <= model_vocab:
+        raise ValueError(f"{who}: vocab={vocab} must be in [1, {model_vocab}] (the model's "
+                         "vocabulary)")
+
+
 # Prefill and decode (pure functions of graphdef + state, jitted) --------------------------------
 def inference_model(graphdef, state) -> nnx.Module:
     """The split model merged inside a jitted program, in its per-block form (module docstring)."""
@@ -277,9 +284,7 @@ def generate(model: nnx.Module,
         if valid.min() < 0 or valid.max() >= cfg.vocab_size:
             raise ValueError(f"generate: prompt token ids must be in [0, {cfg.vocab_size}), got "
                              f"range [{valid.min()}, {valid.max()}]")
-        if vocab is not None and not 1 <= vocab <= cfg.vocab_size:
-            raise ValueError(f"generate: vocab={vocab} must be in [1, {cfg.vocab_size}] (the "
-                             "model's vocabulary)")
+        check_vocab(vocab, cfg.vocab_size, "generate")
         for name, tok in (("eos_id", eos_id), ("pad_id", pad_id)):
             if tok is not None and not 0 <= tok < cfg.vocab_size:
                 raise ValueError(f"generate: {name}={tok} is outside the vocabulary "

@@ -34,7 +34,7 @@ from flax import nnx
 from aiinfra_jax import sharding as shd
 from aiinfra_jax.bank_storage import (ARRAYS, FORMAT, BankError, DeviceBank, Encoded, MemoryBank,
                                       model_signature)
-from aiinfra_jax.generate import GenerateResult, decode_loop, inference_model
+from aiinfra_jax.generate import GenerateResult, check_vocab, decode_loop, inference_model
 from aiinfra_jax.kernels.compilation import jit
 from aiinfra_jax.models.attention.msa import routing_layer_indices
 
@@ -275,9 +275,7 @@ def generate_from_bank(model: nnx.Module, device_bank: DeviceBank,
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"generate_from_bank: max_new_tokens={max_new_tokens!r} must be a "
                          "positive int")
-    if vocab is not None and not 1 <= vocab <= model.cfg.vocab_size:
-        raise ValueError(f"generate_from_bank: vocab={vocab} must be in [1, "
-                         f"{model.cfg.vocab_size}]")
+    check_vocab(vocab, model.cfg.vocab_size, "generate_from_bank")
     lengths = np.asarray([len(p) for p in prompts], np.int32)
     tokens = np.full((len(prompts), int(lengths.max())), pad_id, np.int32)
     for b, p in enumerate(prompts):
