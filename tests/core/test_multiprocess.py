@@ -43,6 +43,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _launch_xla_flags() -> str:
+    """The suite's XLA flags (tests/conftest.py: its faster-compiling options) with 4 devices a
+    process instead of 8."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join(flags + ["--xla_force_host_platform_device_count=4"])
+
+
+def _launch_cache() -> dict[str, str]:
+    """The suite's persistent compilation cache (tests/conftest.py), so that a second launch of
+    the same run compiles nothing."""
+    folder = os.environ.get("AIINFRA_TEST_JAX_CACHE")
+    if not folder or folder == "off":
+        return {}
+    return {"JAX_COMPILATION_CACHE_DIR": folder, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
 class Launch:
     """The 2 processes of one run, each `python -m aiinfra_jax.train --config configs/tiny.py`
     with 4 CPU devices; their output in files (never a pipe that could fill up). ``via_set``:
@@ -55,8 +73,8 @@ class Launch:
         self.logs = [tmp_path / f"{name}.{i}.log" for i in range(processes)]
         self.procs = []
         for i, log in enumerate(self.logs):
-            env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-                       JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+            env = dict(os.environ, XLA_FLAGS=_launch_xla_flags(), JAX_PLATFORMS="cpu",
+                       PYTHONUNBUFFERED="1", **_launch_cache())
             launch = [f"mesh.coordinator_address=127.0.0.1:{port}", "mesh.num_processes=2",
                       f"mesh.process_id={i}"]
             if not via_set:
