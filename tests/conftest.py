@@ -45,6 +45,12 @@ if os.environ.get("AIINFRA_TEST_JAX_CACHE") != "off":
     if "AIINFRA_TEST_JAX_CACHE" not in os.environ:
         os.environ["AIINFRA_TEST_JAX_CACHE"] = _cache_dir  # xdist workers share this folder
         atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+    # Also in the environment, so that the processes a test launches (multi-process runs, fresh
+    # interpreters) share the cache; set here too, since jax read its environment at import.
+    _cache_env = {"JAX_COMPILATION_CACHE_DIR": _cache_dir,
+                  "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                  "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    os.environ.update(_cache_env)
     jax.config.update("jax_compilation_cache_dir", _cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

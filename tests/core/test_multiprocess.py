@@ -51,16 +51,6 @@ def _launch_xla_flags() -> str:
     return " ".join(flags + ["--xla_force_host_platform_device_count=4"])
 
 
-def _launch_cache() -> dict[str, str]:
-    """The suite's persistent compilation cache (tests/conftest.py), so that a second launch of
-    the same run compiles nothing."""
-    folder = os.environ.get("AIINFRA_TEST_JAX_CACHE")
-    if not folder or folder == "off":
-        return {}
-    return {"JAX_COMPILATION_CACHE_DIR": folder, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
-
-
 class Launch:
     """The 2 processes of one run, each `python -m aiinfra_jax.train --config configs/tiny.py`
     with 4 CPU devices; their output in files (never a pipe that could fill up). ``via_set``:
@@ -74,7 +64,7 @@ class Launch:
         self.procs = []
         for i, log in enumerate(self.logs):
             env = dict(os.environ, XLA_FLAGS=_launch_xla_flags(), JAX_PLATFORMS="cpu",
-                       PYTHONUNBUFFERED="1", **_launch_cache())
+                       PYTHONUNBUFFERED="1")  # (with the suite's compilation cache: conftest.py)
             launch = [f"mesh.coordinator_address=127.0.0.1:{port}", "mesh.num_processes=2",
                       f"mesh.process_id={i}"]
             if not via_set:
