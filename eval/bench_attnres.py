@@ -2,7 +2,7 @@
 and validation loss at equal steps and tokens for standard / Full / Block AttnRes.
 
     python -m aiinfra_jax.eval.bench_attnres [--config configs/tiny.py] [--set k=v ...]
-        [--steps 20] [--deep-layers 16] [--deep-set k=v ...] [--train-steps 600]
+        [--steps 20] [--rounds 1] [--deep-layers 16] [--deep-set k=v ...] [--train-steps 600]
         [--eval-batches 32] [--skip-overhead] [--skip-quality] [--memory]
         [--out-dir runs/bench_attnres]
 
@@ -13,7 +13,9 @@ Reduced size (a few CPU minutes):
 1. Overhead: for the config and a deeper copy (n_layers = --deep-layers), each residual scheme's
    jitted train step and forward (eval step) on one batch already on the device: median time over
    --steps calls after a warm-up, the ratio to "standard" measured in the same run, and beside it
-   the theoretical extra work of depth attention (FLOPs and bytes read per token, forward).
+   the theoretical extra work of depth attention (FLOPs and bytes read per token, forward). With
+   --rounds R > 1 the schemes are compiled first and timed in R interleaved rounds, so that a
+   machine whose speed drifts during the run slows every scheme alike.
 2. Quality: aiinfra_jax.train.train for --train-steps steps per scheme on the config's corpus (same
    data, seed, batch and steps, so equal tokens); final validation loss (eval.final_batches =
    --eval-batches) and the training-loss curves -> a PNG and a JSON in --out-dir.
@@ -39,7 +41,7 @@ import jax
 from flax import nnx
 
 from aiinfra_jax.config import load_config
-from aiinfra_jax.eval.bench_train import device_description, timed_train_steps
+from aiinfra_jax.eval.bench_train import device_description, step_setup
 from aiinfra_jax.train import train
 
 RESIDUALS = ("standard", "attnres_full", "attnres_block")
@@ -64,32 +66,83 @@ def depth_attention_cost(cfg) -> dict:
             "depth_bytes_per_token": float(reads * D * item)}
 
 
-def time_scheme(cfg, steps: int) -> dict:
-    trainer, state, jeval, batch, train_times = timed_train_steps(cfg, steps)
-    args = (state["params"], batch, state.get("model_state"))
-    jax.block_until_ready(jeval(*args))                              # compile + warm-up
-    fwd_times = []
-    for _ in range(steps):
+class _Scheme:
+    """One residual scheme's compiled train and eval steps on one batch already on the device,
+    warmed up, and the times of the calls made so far."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.trainer, self.state, self.jtrain, self.jeval, self.batch = step_setup(cfg)
+        self.train_times: list[float] = []
+        self.forward_times: list[float] = []
+        self._train()                                                # compile + warm-up
+        self._forward()
+
+    def _train(self) -> float:
         t0 = time.perf_counter()
-        jax.block_until_ready(jeval(*args))
-        fwd_times.append(time.perf_counter() - t0)
-    model = nnx.merge(trainer.graphdef, trainer.abstract_params, trainer.rest)
-    return {"train_step_s": statistics.median(train_times),
-            "forward_s": statistics.median(fwd_times),
-            "model_flops_per_token": float(model.flops_per_token(cfg.data.seq_len)),
-            "params": int(model.num_params()), **depth_attention_cost(cfg)}
+        self.state, m = self.jtrain(self.state, self.batch)
+        jax.block_until_ready((self.state, m))
+        return time.perf_counter() - t0
+
+    def _forward(self) -> float:
+        t0 = time.perf_counter()
+        jax.block_until_ready(self.jeval(self.state["params"], self.batch,
+                                         self.state.get("model_state")))
+        return time.perf_counter() - t0
+
+    def visit(self, steps: int, rewarm: bool) -> None:
+        """steps timed train calls, then steps timed forward calls; with rewarm one untimed train
+        call first (after another scheme ran, the first call pays for its pages again)."""
+        if rewarm:
+            self._train()
+        self.train_times += [self._train() for _ in range(steps)]
+        self.forward_times += [self._forward() for _ in range(steps)]
+
+    def result(self) -> dict:
+        model = nnx.merge(self.trainer.graphdef, self.trainer.abstract_params, self.trainer.rest)
+        return {"train_step_s": statistics.median(self.train_times),
+                "forward_s": statistics.median(self.forward_times),
+                "train_calls": len(self.train_times),
+                "model_flops_per_token": float(model.flops_per_token(self.cfg.data.seq_len)),
+                "params": int(model.num_params()), **depth_attention_cost(self.cfg)}
+
+
+def time_schemes(cfgs: list, steps: int, rounds: int = 1) -> list[dict]:
+    """Median train-step and forward time per config. rounds 1: one scheme after the other
+    (compile, steps calls, freed). rounds R > 1: every scheme compiled first, then R rounds that
+    visit the schemes in turn, steps calls each after one untimed call: the machine's drift over
+    the run then hits every scheme alike (on the 2-core VM the ratio of two separate runs of the
+    same code moves by +-0.07-0.15), at the memory cost of every scheme resident at once."""
+    if rounds <= 1:
+        out = []
+        for cfg in cfgs:
+            scheme = _Scheme(cfg)
+            scheme.visit(steps, rewarm=False)
+            out.append(scheme.result())
+            del scheme
+        return out
+    schemes = [_Scheme(cfg) for cfg in cfgs]
+    for r in range(rounds):
+        for scheme in schemes:
+            scheme.visit(steps, rewarm=True)
+        print(f"  round {r + 1}/{rounds}: " + ", ".join(
+            f"{s.cfg.model.residual} {s.train_times[-1] * 1e3:.0f} ms" for s in schemes),
+            flush=True)
+    return [s.result() for s in schemes]
 
 
 def overhead(config: str, overrides: list[str], steps: int, label: str,
-             residuals=RESIDUALS) -> list[dict]:
+             residuals=RESIDUALS, rounds: int = 1) -> list[dict]:
+    cfgs = [load_config(config, overrides + [f"model.residual={r}"]) for r in residuals]
+    print(f"[overhead/{label}] {', '.join(residuals)}"
+          + (f" in {rounds} interleaved rounds" if rounds > 1 else "") + " ...", flush=True)
     rows = []
-    for residual in residuals:
-        cfg = load_config(config, overrides + [f"model.residual={residual}"])
-        print(f"[overhead/{label}] {residual} ...", flush=True)
-        rows.append({"setting": label, "residual": residual, "n_layers": cfg.model.n_layers,
-                     "d_model": cfg.model.d_model, **time_scheme(cfg, steps)})
-        print(f"  train step {rows[-1]['train_step_s'] * 1e3:.1f} ms, forward "
-              f"{rows[-1]['forward_s'] * 1e3:.1f} ms", flush=True)
+    for cfg, timed in zip(cfgs, time_schemes(cfgs, steps, rounds)):
+        rows.append({"setting": label, "residual": cfg.model.residual,
+                     "n_layers": cfg.model.n_layers, "d_model": cfg.model.d_model,
+                     "rounds": rounds, **timed})
+        print(f"  {cfg.model.residual}: train step {timed['train_step_s'] * 1e3:.1f} ms, "
+              f"forward {timed['forward_s'] * 1e3:.1f} ms", flush=True)
     base = rows[0]
     for r in rows:
         r["train_ratio"] = r["train_step_s"] / base["train_step_s"]
@@ -180,7 +233,10 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default="configs/tiny.py")
     ap.add_argument("--set", dest="overrides", action="append", default=[],
                     help="config override for every run, e.g. --set model.d_model=128")
-    ap.add_argument("--steps", type=int, default=20, help="timed calls per scheme")
+    ap.add_argument("--steps", type=int, default=20, help="timed calls per scheme (per round)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="> 1: compile every scheme, then time them in this many interleaved "
+                    "rounds (ratios robust to the machine's drift; every scheme resident)")
     ap.add_argument("--deep-layers", type=int, default=16, help="n_layers of the deeper setting "
                     "(0 = skip)")
     ap.add_argument("--deep-set", dest="deep_overrides", action="append", default=[],
@@ -206,11 +262,11 @@ def main(argv=None) -> int:
               "command": " ".join(["python -m aiinfra_jax.eval.bench_attnres"] + sys.argv[1:]),
               "config": args.config, "overrides": common}
     if not args.skip_overhead:
-        rows = overhead(args.config, common, args.steps, "base", residuals)
+        rows = overhead(args.config, common, args.steps, "base", residuals, args.rounds)
         if args.deep_layers:
             rows += overhead(args.config, common + [f"model.n_layers={args.deep_layers}"]
                              + args.deep_overrides, args.steps, f"deep L={args.deep_layers}",
-                             residuals)
+                             residuals, args.rounds)
         result["overhead"] = rows
         print("\n| setting | residual | L | D | train step ms | ratio | forward ms | ratio | "
               "depth-attn FLOPs / model FLOPs | depth-attn bytes/token |\n"

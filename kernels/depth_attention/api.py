@@ -98,13 +98,58 @@ def merge_partial(o: jax.Array, lse: jax.Array, queries: jax.Array, partial: jax
         raise ValueError(f"merge_partial: expected o [Q,B,T,D], lse [Q,B,T], queries [Q,D], "
                          f"partial [B,T,D]; got o {o.shape}, lse {lse.shape}, queries "
                          f"{queries.shape}, partial {partial.shape}")
-    v = partial.astype(jnp.float32)
-    z = jnp.einsum("qd,btd->qbt", queries.astype(jnp.float32), v,
-                   precision=jax.lax.Precision.HIGHEST) * rms_inverse(v, eps)[None]
-    m = jnp.maximum(lse, z)
-    a, b = jnp.exp(lse - m), jnp.exp(z - m)
-    merged = (o.astype(jnp.float32) * a[..., None] + v[None] * b[..., None]) / (a + b)[..., None]
-    return jnp.where(has_partial, merged, o.astype(jnp.float32)).astype(o.dtype)
+    out = _merge(o, lse, queries, partial, jnp.asarray(has_partial, jnp.bool_), float(eps))
+    return out.astype(o.dtype)
+
+
+# The merge has its own VJP. Under autodiff of the formula XLA:CPU materialised per-token weights
+# broadcast to [Q,B,T,D], handed the outer product dz (x) q to a library dot, and fused the merge's
+# backward into the depth-attention dv pass over every slot, recomputing it per slot. Written out,
+# every [B,T,D] term is one elementwise pass: Block AttnRes's training step at d_model 1024, 12
+# layers went from 1.32x to 1.20x the standard residual's (eval/BENCHMARKS.md, issue 26 item 6).
+
+def _merge_terms(lse, queries, partial, eps):
+    """(q [Q,D], v [B,T,D], r [B,T], z [Q,B,T], alpha [Q,B,T]) in float32: alpha is the phase-1
+    result's weight in the two-source softmax, a / (a + b) = sigmoid(lse - z)."""
+    q, v = queries.astype(jnp.float32), partial.astype(jnp.float32)
+    r = rms_inverse(v, eps)
+    z = jnp.einsum("qd,btd->qbt", q, v, precision=jax.lax.Precision.HIGHEST) * r[None]
+    return q, v, r, z, jax.nn.sigmoid(lse - z)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _merge(o, lse, queries, partial, has_partial, eps):
+    _, v, _, _, alpha = _merge_terms(lse, queries, partial, eps)
+    o32 = o.astype(jnp.float32)
+    return jnp.where(has_partial, v[None] + alpha[..., None] * (o32 - v[None]), o32)
+
+
+def _merge_fwd(o, lse, queries, partial, has_partial, eps):
+    return _merge(o, lse, queries, partial, has_partial, eps), (o, lse, queries, partial,
+                                                                has_partial)
+
+
+def _merge_bwd(eps, residuals, g):
+    """merged = alpha o + (1 - alpha) v with alpha = sigmoid(lse - z), z = r (q . v):
+    d(lse - z) = alpha (1 - alpha) g . (o - v); dz/dv = r q - (r^2 z / D) v; dz/dq = r v."""
+    o, lse, queries, partial, has_partial = residuals
+    q, v, r, z, alpha = _merge_terms(lse, queries, partial, eps)
+    g = g.astype(jnp.float32)
+    d_o = jnp.where(has_partial, alpha[..., None] * g, g)
+    s = jnp.where(has_partial, alpha * (1 - alpha)
+                  * jnp.sum(g * (o.astype(jnp.float32) - v[None]), axis=-1), 0.0)   # d(lse - z)
+    w = jnp.where(has_partial, 1 - alpha, 0.0)
+    rdz = -s * r[None]                                                             # r dz [Q,B,T]
+    D = v.shape[-1]
+    d_v = (r * r / D * jnp.sum(s * z, axis=0))[..., None] * v
+    for i in range(q.shape[0]):     # Q is small (the sublayers sharing one phase 1)
+        d_v = d_v + w[i][..., None] * g[i] + rdz[i][..., None] * q[i]
+    d_q = jnp.einsum("qbt,btd->qd", rdz, v, precision=jax.lax.Precision.HIGHEST)
+    return (d_o.astype(o.dtype), s.astype(lse.dtype), d_q.astype(queries.dtype),
+            d_v.astype(partial.dtype), None)
+
+
+_merge.defvjp(_merge_fwd, _merge_bwd)
 
 
 def block_depth_attention(queries: jax.Array, blocks: jax.Array, n_finished, partial: jax.Array,

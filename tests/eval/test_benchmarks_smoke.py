@@ -128,12 +128,15 @@ def test_profile_step_toy(tmp_path, step):
     assert not any(r["op"].startswith(("while", "Pjit")) for r in res["rows"])
 
 
-def test_bench_attnres_overhead_toy(tmp_path):
-    """The overhead table times a train step and a forward per scheme and divides by standard's."""
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_bench_attnres_overhead_toy(tmp_path, rounds):
+    """The overhead table times a train step and a forward per scheme and divides by standard's,
+    one scheme after the other or in interleaved rounds."""
     from aiinfra_jax.eval import bench_attnres
 
     assert bench_attnres.main([
-        "--skip-quality", "--deep-layers", "0", "--steps", "1", "--set", "model.d_model=32",
+        "--skip-quality", "--deep-layers", "0", "--steps", "1", "--rounds", str(rounds),
+        "--set", "model.d_model=32",
         "--set", "model.n_heads=2", "--set", "model.n_kv_heads=1", "--set", "model.n_layers=2",
         "--set", "model.attnres.n_blocks=2", "--set", "data.seq_len=16",
         "--set", "data.batch_size=2", "--out-dir", str(tmp_path)]) == 0
@@ -141,6 +144,7 @@ def test_bench_attnres_overhead_toy(tmp_path):
     assert [r["residual"] for r in rows] == ["standard", "attnres_full", "attnres_block"]
     assert rows[0]["train_ratio"] == 1.0
     assert all(r["train_step_s"] > 0 and r["forward_s"] > 0 for r in rows)
+    assert all(r["train_calls"] == rounds and r["rounds"] == rounds for r in rows)
 
 
 def test_bench_attnres_memory_toy(tmp_path):
